@@ -1,0 +1,86 @@
+"""The `ms-loadpatch` command (also `python -m ms_loadpatch`)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+
+from . import activation
+
+BOOTSTRAP_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_bootstrap")
+
+
+def _cmd_run(args) -> int:
+    command = list(args.command)
+    if command and command[0] == "--":
+        command = command[1:]
+    if not command:
+        print("ms-loadpatch run: no command given (usage: ms-loadpatch run -- python train.py)", file=sys.stderr)
+        return 2
+    env = dict(os.environ)
+    env[activation.ENV_VAR] = "1"
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (BOOTSTRAP_DIR, env.get("PYTHONPATH")) if p)
+    executable = shutil.which(command[0], path=env.get("PATH"))
+    if executable is None:
+        print(f"ms-loadpatch run: command not found: {command[0]}", file=sys.stderr)
+        return 127
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.execve(executable, command, env)  # the child's exit code becomes ours
+    return 0  # not reached
+
+
+def _cmd_status(args) -> int:
+    import ms_loadpatch
+
+    if args.enable and not activation.switched_off():
+        ms_loadpatch.enable()
+    report = ms_loadpatch.status()
+    if args.json:
+        print(json.dumps(report, indent=2))
+        return 0
+    print(f"enabled: {report['enabled']}")
+    for name, version in report["versions"].items():
+        print(f"{name}: {version or 'not installed'} (supported {report['supported'][name]})")
+    if report["refusal"]:
+        print(f"refused: {report['refusal']}")
+    for row in report["targets"]:
+        reason = f"  ({row['reason']})" if row["reason"] else ""
+        print(f"  {row['state']:8} {row['target']}{reason}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="ms-loadpatch", description="Fast, bit-identical mindone model loading.")
+    sub = parser.add_subparsers(dest="cmd", required=True)
+
+    run = sub.add_parser("run", help="run a command with the plugin enabled: ms-loadpatch run -- python train.py")
+    run.add_argument("command", nargs=argparse.REMAINDER)
+    run.set_defaults(func=_cmd_run)
+
+    status = sub.add_parser("status", help="print versions and what is patched")
+    status.add_argument("--json", action="store_true", help="print JSON")
+    status.add_argument(
+        "--import-mindone",
+        dest="import_mindone",
+        action="store_true",
+        help="import every target module first, so pending targets show as applied",
+    )
+    status.set_defaults(func=_cmd_status, enable=True)
+    return parser
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    if getattr(args, "import_mindone", False):
+        import importlib
+
+        import ms_loadpatch  # noqa: F401  (enables before mindone is imported)
+        from ms_loadpatch.targets import TARGETS
+
+        for module_name in dict.fromkeys(t.module for t in TARGETS):
+            importlib.import_module(module_name)
+    return args.func(args)

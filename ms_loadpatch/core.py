@@ -1,0 +1,200 @@
+"""Applying and removing the patch table with wrapt.
+
+State lives in one `_Patcher`; the public functions in `ms_loadpatch` are
+thin aliases. Like OpenTelemetry's BaseInstrumentor: check dependencies
+before patching, idempotent enable/disable, one flag for the state.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import logging
+import sys
+import threading
+
+import wrapt
+
+from . import versions
+from .targets import TARGETS, Target
+
+logger = logging.getLogger("ms_loadpatch")
+
+PATCHED = "patched"
+PENDING = "pending"
+SKIPPED = "skipped"
+
+
+def _resolve_wrapper(spec: str):
+    module_name, _, attribute = spec.partition(":")
+    return getattr(importlib.import_module(module_name), attribute)
+
+
+class _Patcher:
+    def __init__(self, targets: tuple[Target, ...]):
+        self._targets = targets
+        self._lock = threading.RLock()
+        self._enabled = False
+        self._handles: dict[str, object] = {}  # target key -> installed FunctionWrapper
+        self._states: dict[str, tuple[str, str]] = {}  # target key -> (state, reason)
+        self._hooked_modules: set[str] = set()
+        self._gate: versions.GateResult | None = None
+        self._warned_refusal = False
+
+    # -- public operations
+
+    def enable(self) -> bool:
+        with self._lock:
+            if self._enabled:
+                return True
+            self._gate = versions.check()
+            if not self._gate.ok:
+                for target in self._targets:
+                    self._states[target.key] = (SKIPPED, f"refused: {self._gate.refusal}")
+                if not self._warned_refusal:
+                    logger.warning("ms_loadpatch is not applied: %s", self._gate.refusal)
+                    self._warned_refusal = True
+                return False
+            self._enabled = True
+            for module_name in dict.fromkeys(t.module for t in self._targets):
+                module = sys.modules.get(module_name)
+                if module is not None:
+                    self._apply_module(module)
+                else:
+                    for target in self._targets_of(module_name):
+                        self._states[target.key] = (PENDING, "applied when the module is imported")
+                    if module_name not in self._hooked_modules:
+                        self._hooked_modules.add(module_name)
+                        wrapt.register_post_import_hook(self._on_import, module_name)
+            return True
+
+    def disable(self) -> None:
+        with self._lock:
+            for target in reversed(self._targets):
+                handle = self._handles.pop(target.key, None)
+                if handle is not None:
+                    module = sys.modules[target.module]
+                    if wrapt.unwrap_object(module, target.path, handle, missing_ok=True) is None:
+                        logger.warning("%s was replaced by someone else; left as it is", target.key)
+                self._states[target.key] = (SKIPPED, "disabled")
+            self._enabled = False
+
+    def is_enabled(self) -> bool:
+        return self._enabled
+
+    def is_handle(self, obj) -> bool:
+        return any(obj is handle for handle in self._handles.values())
+
+    def status(self) -> dict:
+        with self._lock:
+            gate = self._gate or versions.check()
+            return {
+                "enabled": self._enabled,
+                "versions": dict(gate.versions),
+                "supported": {name: str(spec) for name, spec in versions.SUPPORTED.items()},
+                "refusal": gate.refusal,
+                "targets": [
+                    {"target": t.key, "state": s[0], "reason": s[1]}
+                    for t in self._targets
+                    for s in [self._states.get(t.key, (SKIPPED, "not enabled"))]
+                ],
+            }
+
+    # -- machinery
+
+    def _targets_of(self, module_name: str):
+        return [t for t in self._targets if t.module == module_name]
+
+    def _on_import(self, module) -> None:
+        with self._lock:
+            if self._enabled:
+                self._apply_module(module)
+
+    def _apply_module(self, module) -> None:
+        for target in self._targets_of(module.__name__):
+            if target.key in self._handles:
+                continue
+            reason = versions.requirement_met(target.requires)
+            if reason is not None:
+                self._states[target.key] = (SKIPPED, reason)
+                continue
+            try:
+                self._strip_own_wrapper(module, target)
+                if target.kind == "proxy":
+                    handle = wrapt.wrap_object(module, target.path, _resolve_wrapper(target.wrapper))
+                else:
+                    wrapper = self._gated(_resolve_wrapper(target.wrapper))
+                    handle = wrapt.wrap_function_wrapper(module, target.path, wrapper)
+                self._handles[target.key] = handle
+            except Exception as exc:  # a missing attribute must not break the user's import
+                self._states[target.key] = (SKIPPED, f"cannot patch: {exc}")
+                logger.warning("ms_loadpatch: %s not patched: %s", target.key, exc)
+                continue
+            self._states[target.key] = (PATCHED, "")
+
+    def _gated(self, wrapper):
+        # A copy bound elsewhere by name keeps the wrapper after disable();
+        # it then calls straight through.
+        def gated(wrapped, instance, args, kwargs):
+            if not self._enabled:
+                return wrapped(*args, **kwargs)
+            return wrapper(wrapped, instance, args, kwargs)
+
+        gated.__name__ = getattr(wrapper, "__name__", "gated")
+        return gated
+
+    def _strip_own_wrapper(self, module, target: Target) -> None:
+        """A name bound by `from x import f` after x.f was patched holds our
+        wrapper; rebind it to the original so each binding has exactly one
+        wrapper and disable() restores the original object everywhere."""
+        parent, attribute, current = wrapt.resolve_path(module, target.path)
+        if self.is_handle(current):
+            wrapt.apply_patch(parent, attribute, current.__wrapped__)
+
+
+_PATCHER = _Patcher(TARGETS)
+
+
+def enable() -> bool:
+    """Patch every supported target (now, or when its module is imported).
+
+    Returns False, with one logged warning, when the installed versions are refused."""
+    return _PATCHER.enable()
+
+
+def disable() -> None:
+    """Restore every original object. Harmless when not enabled."""
+    _PATCHER.disable()
+
+
+def is_enabled() -> bool:
+    return _PATCHER.is_enabled()
+
+
+def status() -> dict:
+    """Versions seen, the gate's verdict, and every target with its state and reason."""
+    return _PATCHER.status()
+
+
+@contextlib.contextmanager
+def enabled():
+    """Scoped enable: the previous state is restored on exit."""
+    was_enabled = is_enabled()
+    enable()
+    try:
+        yield
+    finally:
+        if not was_enabled:
+            disable()
+
+
+@contextlib.contextmanager
+def disabled():
+    """Scoped disable, e.g. for an unpatched reference load."""
+    was_enabled = is_enabled()
+    disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            enable()

@@ -1,0 +1,269 @@
+"""Hooks the loading strategy into mindone.transformers.
+
+mindone's own `from_pretrained` stays the driver (argument handling, key
+renaming, missing / unexpected / mismatched bookkeeping, warnings); inside
+an accelerated call, the expensive pieces it calls are swapped for the
+strategy's: lazy construction, no init pass, the fast reader, cached key
+conversion, O(1) assignment. Each wrapper calls straight through when no
+accelerated load is active in the calling thread.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+
+import mindspore as ms
+import wrapt
+
+from ..strategy import context
+from ..strategy.assign import assign, cast_parameters, check_and_pair
+from ..strategy.construct import CONSTRUCTION_LOCK, initialize_unloaded, lazy_construction, state_index
+from ..strategy.reader import read_arrays, read_many
+from ..strategy.tensors import to_tensor
+
+logger = logging.getLogger("ms_loadpatch")
+_MODULE = "mindone.transformers.modeling_utils"
+# Methods that, overridden in a subclass, take over the loading path.
+_LOADING_PATH = ("_load_pretrained_model", "init_weights")
+_SAFE_METADATA_FORMATS = ("pt", "tf", "flax", "np")
+
+
+def _modeling_utils():
+    return sys.modules[_MODULE]
+
+
+def _fallback_reason(cls, kwargs) -> str | None:
+    if kwargs.get("from_tf") or kwargs.get("from_flax"):
+        return "TF / Flax checkpoints"
+    if kwargs.get("state_dict") is not None:
+        return "a state_dict passed by the caller (its tensors must not be aliased)"
+    base = _modeling_utils().PreTrainedModel
+    for klass in cls.__mro__:
+        if klass is base:
+            break
+        for name in _LOADING_PATH:
+            if name in vars(klass):
+                return f"{klass.__name__} overrides {name}"
+    return None
+
+
+def parallel_workers() -> int:
+    """HF_ENABLE_PARALLEL_LOADING / HF_PARALLEL_LOADING_WORKERS, read at call time."""
+    if os.environ.get("HF_ENABLE_PARALLEL_LOADING", "").strip().lower() not in ("1", "true", "yes", "on"):
+        return 1
+    try:
+        return max(1, int(os.environ.get("HF_PARALLEL_LOADING_WORKERS", "8")))
+    except ValueError:
+        return 8
+
+
+# -- entry points (targets.TARGETS)
+
+
+def from_pretrained(wrapped, instance, args, kwargs):
+    reason = _fallback_reason(instance, kwargs)
+    if reason is not None:
+        logger.debug("ms_loadpatch: %s.from_pretrained unpatched: %s", instance.__name__, reason)
+        with CONSTRUCTION_LOCK:
+            return wrapped(*args, **kwargs)
+    report = context.LoadReport(instance.__name__, "transformers")
+    report.technique = "lazy construction, set_data from owned read buffer, set_dtype cast"
+    with context.activate(report) as ctx:
+        result = wrapped(*args, **kwargs)
+        if not ctx.cache.get("load_done"):
+            model = result[0] if isinstance(result, tuple) else result
+            raise RuntimeError(
+                f"ms_loadpatch: {type(model).__name__} was built lazily but mindone's loading path did not run; "
+                "refusing to return a model with uninitialised weights"
+            )
+    return result
+
+
+def from_config(wrapped, instance, args, kwargs):
+    with CONSTRUCTION_LOCK:  # never inside another thread's lazy-construction window
+        return wrapped(*args, **kwargs)
+
+
+def to(wrapped, instance, args, kwargs):
+    dtype = args[0] if args else kwargs.get("dtype")
+    if dtype is None or len(args) > 1 or set(kwargs) - {"dtype"}:
+        return wrapped(*args, **kwargs)
+    cast_parameters(instance, dtype)
+    return instance
+
+
+def half(wrapped, instance, args, kwargs):
+    if args or kwargs:
+        return wrapped(*args, **kwargs)
+    cast_parameters(instance, ms.float16)
+    return instance
+
+
+def float_(wrapped, instance, args, kwargs):
+    if args or kwargs:
+        return wrapped(*args, **kwargs)
+    cast_parameters(instance, ms.float32)
+    return instance
+
+
+def load_state_dict(wrapped, instance, args, kwargs):
+    checkpoint_file = args[0] if args else kwargs.get("checkpoint_file")
+    if len(args) + len(kwargs) != 1 or not os.fspath(checkpoint_file).endswith(".safetensors"):
+        return wrapped(*args, **kwargs)  # not a format the fast reader knows: mindone decides
+    ctx = context.current()
+    prefetched = ctx.cache.get("prefetch") if ctx is not None else None
+    if prefetched is not None and os.fspath(checkpoint_file) in prefetched:
+        arrays, metadata = prefetched.pop(os.fspath(checkpoint_file))
+    else:
+        with (ctx.report.phase("read") if ctx else _null()):
+            arrays, metadata = read_arrays(checkpoint_file)
+    if metadata is not None and metadata.get("format") not in _SAFE_METADATA_FORMATS:
+        raise OSError(
+            f"The safetensors archive passed at {checkpoint_file} does not contain the valid metadata. Make sure "
+            "you save your model with the `save_pretrained` method."
+        )
+    if ctx is None:  # a direct call: mindone returns Parameters
+        return {name: ms.Parameter(to_tensor(array), name=name) for name, array in arrays.items()}
+    ctx.report.tensors_read += len(arrays)
+    ctx.report.shards += 1
+    return {name: to_tensor(array) for name, array in arrays.items()}
+
+
+# -- internals of mindone's loading path (targets.TARGETS, "internal" rows)
+
+
+def model_init(wrapped, instance, args, kwargs):
+    """PreTrainedModel.__init__: the outermost model of an accelerated load opens the lazy window."""
+    ctx = context.current()
+    if ctx is not None and ctx.construction_root is None:
+        ctx.construction_root = instance
+        ctx.exit_stack.enter_context(ctx.report.phase("construct"))
+        ctx.exit_stack.enter_context(lazy_construction())
+        ctx.constructing = True
+    return wrapped(*args, **kwargs)
+
+
+def init_weights(wrapped, instance, args, kwargs):
+    """Skip the random init pass of a lazily built model (it is overwritten, or
+    done later for exactly the weights the checkpoint lacks); keep the rest."""
+    ctx = context.current()
+    if ctx is None or not ctx.constructing:
+        return wrapped(*args, **kwargs)
+    for name, param in instance.parameters_and_names():  # what init_weights does besides init
+        param.name = name
+    if instance is ctx.construction_root:
+        ctx.close_construction()
+    return None
+
+
+def load_pretrained_model(wrapped, instance, args, kwargs):
+    ctx = context.current()
+    if ctx is None:
+        return wrapped(*args, **kwargs)
+    ctx.close_construction()  # a model whose __init__ never reached post_init
+    files = args[3] if len(args) > 3 else kwargs.get("resolved_archive_file")
+    workers = parallel_workers()
+    ctx.report.read_workers = workers
+    if isinstance(files, list) and len(files) > 1 and workers > 1:
+        with ctx.report.phase("read"):
+            ctx.cache["prefetch"] = {os.fspath(path): result for path, result in read_many(files, workers)}
+    result = wrapped(*args, **kwargs)
+    model = result[0]
+    with ctx.report.phase("init-missing"):
+        ctx.report.cells_reinitialised = initialize_unloaded(model, ctx.loaded, _initializer_for)
+        if _modeling_utils()._init_weights:
+            for cell in model.cells_and_names():
+                cell[1]._is_hf_initialized = True  # as the skipped init pass leaves it
+    ctx.cache["load_done"] = True
+    ctx.loaded.clear()
+    return result
+
+
+def convert_state_dict(wrapped, instance, args, kwargs):
+    """mindone's _convert_state_dict with the per-model walks done once per load, not once per shard."""
+    ctx = context.current()
+    if ctx is None:
+        return wrapped(*args, **kwargs)
+    model, state_dict_pt = args[0], args[1]
+    prefix = args[2] if len(args) > 2 else kwargs.get("prefix", "")
+    if not state_dict_pt:
+        return state_dict_pt
+    with ctx.report.phase("convert-keys"):
+        key = ("convert", id(model))
+        if key not in ctx.cache:
+            ctx.cache[key] = (_modeling_utils()._get_pt2ms_mappings(model), set(model.state_dict().keys()))
+        mappings, model_keys = ctx.cache[key]
+        identity = (None, None)
+        length = len(prefix) + 1
+        converted = {}
+        while state_dict_pt:  # the same lookups in the same (popitem) order as mindone
+            name_pt, data_pt = state_dict_pt.popitem()
+            if name_pt in mappings or name_pt in model_keys:
+                name_ms, mapping = mappings.get(name_pt, identity)
+                name_ms = name_pt if mapping is None else name_ms
+            elif name_pt[length:] in mappings or name_pt[length:] in model_keys:
+                name_ms, mapping = mappings.get(name_pt[length:], identity)
+                name_ms = name_pt[length:] if mapping is None else name_ms
+            elif ".".join([prefix, name_pt]) in mappings or ".".join([prefix, name_pt]) in model_keys:
+                joined = ".".join([prefix, name_pt])
+                name_ms, mapping = mappings.get(joined, identity)
+                name_ms = joined if mapping is None else name_ms
+            else:
+                name_ms, mapping = mappings.get(name_pt, identity)
+                name_ms = name_pt if mapping is None else name_ms
+            if mapping is not None:
+                try:
+                    data_pt = mapping(data_pt)
+                except AttributeError:  # Conv1d mappings read `.name`, which only a Parameter has
+                    data_pt = mapping(ms.Parameter(data_pt, name=name_pt))
+            if name_ms is not None:
+                converted[name_ms] = data_pt
+    return converted
+
+
+def load_state_dict_into_model(wrapped, instance, args, kwargs):
+    ctx = context.current()
+    if ctx is None:
+        return wrapped(*args, **kwargs)
+    model_to_load, state_dict = args[0], args[1]
+    start_prefix = args[2] if len(args) > 2 else kwargs.get("start_prefix", "")
+    with ctx.report.phase("assign"):
+        key = ("index", id(model_to_load))
+        if key not in ctx.cache:
+            ctx.cache[key] = state_index(model_to_load)
+        pairs = check_and_pair(ctx.cache[key], state_dict, model_to_load.__class__.__name__)
+        assign(pairs, ctx.loaded, ctx.report)
+        if len(start_prefix) > 0:
+            for name, param in model_to_load.parameters_and_names():
+                param.name = name
+    return []
+
+
+class GcWithoutPerShardCollect(wrapt.ObjectProxy):
+    """modeling_utils' view of the gc module: inside an accelerated load the
+    per-shard gc.collect() is skipped (shard dicts hold no cycles; refcounting
+    frees them); everywhere else it is the gc module."""
+
+    def collect(self, *args, **kwargs):
+        if context.current() is not None:
+            return 0
+        return self.__wrapped__.collect(*args, **kwargs)
+
+
+def _initializer_for(cell, parents):
+    """The innermost pretrained model enclosing `cell` initialises it, as its post_init would have."""
+    base = _modeling_utils().PreTrainedModel
+    for owner in (cell,) + tuple(reversed(parents)):
+        if isinstance(owner, base):
+            return owner._initialize_weights
+    return None
+
+
+class _null:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False

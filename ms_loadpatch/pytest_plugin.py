@@ -1,0 +1,1 @@
+"""pytest plugin (entry point `pytest11`): helpers for "patched equals unpatched" tests."""

@@ -1,0 +1,62 @@
+"""Putting checkpoint tensors into a network: one dict lookup per key, a
+shape check (set_data on a lazy parameter does not check), a cast only when
+the dtype differs, and set_data, which on a lazy parameter takes the
+tensor's storage without a copy and clears its lazy state."""
+
+from __future__ import annotations
+
+import mindspore as ms
+
+from .tensors import cast
+
+
+def check_and_pair(index: dict, state_dict, model_name: str):
+    """(kind, object, tensor) for every index key present in `state_dict`, in
+    the index's (traversal) order. Raises RuntimeError with the messages of
+    mindspore's Cell.load_state_dict before anything is assigned."""
+    pairs, errors = [], []
+    for key, (kind, _cell, _attr, target) in index.items():
+        value = state_dict.get(key)
+        if value is None:
+            continue
+        if not isinstance(value, ms.Tensor):
+            errors.append(
+                f'While copying the parameter named "{key}", expected Tensor or Tensor-like object from '
+                f"checkpoint but received {type(value)}"
+            )
+            continue
+        if value.shape != target.shape:
+            errors.append(
+                f"size mismatch for {key}: copying a param with shape {value.shape} from checkpoint, "
+                f"the shape in current model is {target.shape}."
+            )
+            continue
+        pairs.append((kind, target, value))
+    if errors:
+        raise RuntimeError("Error(s) in loading state_dict for {}:\n\t{}".format(model_name, "\n\t".join(errors)))
+    return pairs
+
+
+def assign(pairs, loaded: dict, report) -> None:
+    """Assign checked pairs; record id(param) -> tensor in `loaded`."""
+    for kind, target, value in pairs:
+        if kind == "param":
+            if value.dtype != target.dtype:
+                value = cast(value, target.dtype)
+                report.tensors_cast += 1
+            target.set_data(value)
+            loaded[id(target)] = value
+        else:  # buffers: few, and copied exactly as Cell.load_state_dict does
+            target.assign_value(ms.Tensor(value.asnumpy(), dtype=target.dtype))
+        report.tensors_assigned += 1
+
+
+def cast_parameters(cell, dtype) -> int:
+    """In place; parameters already in `dtype` are skipped. On a lazy
+    parameter set_dtype only changes metadata: it is later filled in `dtype`."""
+    count = 0
+    for param in cell.get_parameters():
+        if param.dtype != dtype:
+            param.set_dtype(dtype)
+            count += 1
+    return count

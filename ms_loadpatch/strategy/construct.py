@@ -1,0 +1,86 @@
+"""Constructing a model without initialising what the checkpoint overwrites,
+and initialising afterwards exactly what it did not."""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+
+from mindspore.nn.utils import no_init_parameters
+
+# no_init_parameters flips a class-level flag on Parameter: a model built in
+# another thread meanwhile would get lazy parameters too. Every construction
+# ms_loadpatch runs, lazy or not, holds this lock; re-entrant for nested models.
+CONSTRUCTION_LOCK = threading.RLock()
+
+
+@contextlib.contextmanager
+def lazy_construction():
+    """Parameters built from initializers stay lazy (no memory, no random fill)."""
+    with CONSTRUCTION_LOCK, no_init_parameters():
+        yield
+
+
+def walk_cells(root, prefix=""):
+    """(name, cell, parent chain) in Cell.load_state_dict's traversal order,
+    shared cells visited under every name, as that method does."""
+    stack = [(prefix, root, ())]
+    while stack:
+        name, cell, parents = stack.pop()
+        yield name, cell, parents
+        children = [(k, c) for k, c in cell._cells.items() if c is not None]
+        for child_name, child in reversed(children):
+            stack.append((f"{name}{child_name}.", child, parents + (cell,)))
+
+
+def state_index(root):
+    """key -> (kind, owner cell, attribute, object) for every parameter and
+    persistent buffer, under every name that reaches it (tied weights)."""
+    index = {}
+    for prefix, cell, _ in walk_cells(root):
+        for attr, param in cell._params.items():
+            if param is not None:
+                index[prefix + attr] = ("param", cell, attr, param)
+        non_persistent = cell._non_persistent_buffers_set
+        for attr, buffer in cell._buffers.items():
+            if buffer is not None and attr not in non_persistent:
+                index[prefix + attr] = ("buffer", cell, attr, buffer)
+    return index
+
+
+def initialize_unloaded(root, loaded: dict, initialize_for):
+    """Give every parameter the checkpoint did not fill the value an unpatched
+    load gives it: the model's own `_init_weights` for its cell (run by the
+    nearest enclosing pretrained model, as post_init does), else the
+    parameter's own initializer.
+
+    `loaded`: id(param) -> the tensor assigned to it. `initialize_for(cell,
+    parents)` returns a callable that initialises `cell`, or None.
+    Returns the number of cells re-initialised.
+    """
+    reinitialised = 0
+    seen = set()
+    for _, cell, parents in walk_cells(root):
+        if id(cell) in seen:
+            continue
+        seen.add(id(cell))
+        own = [p for p in cell._params.values() if p is not None]
+        if not any(id(p) not in loaded for p in own):
+            continue
+        initialize = initialize_for(cell, parents)
+        if initialize is None:
+            continue
+        for param in own:  # _init_weights indexes and fills: needs real storage
+            if param.has_init:
+                param.init_data()
+        initialize(cell)
+        reinitialised += 1
+        # _init_weights filled the whole cell; put back what the checkpoint gave
+        for _, sub, _ in walk_cells(cell):
+            for param in sub._params.values():
+                if param is not None and id(param) in loaded:
+                    param.set_data(loaded[id(param)])
+    for param in root.get_parameters():
+        if param.has_init:
+            param.init_data()
+    return reinitialised

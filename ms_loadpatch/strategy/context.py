@@ -1,0 +1,107 @@
+"""Per-thread state of one accelerated load, and its report."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import threading
+import time
+
+logger = logging.getLogger("ms_loadpatch.report")
+REPORT_ENV_VAR = "MS_LOADPATCH_REPORT"
+
+_local = threading.local()
+
+
+class LoadReport:
+    """Phases and their seconds, tensors cast, technique used: one per load."""
+
+    def __init__(self, model_class: str, library: str):
+        self.model_class = model_class
+        self.library = library
+        self.phases: dict[str, float] = {}
+        self.tensors_read = 0
+        self.tensors_assigned = 0
+        self.tensors_cast = 0
+        self.cells_reinitialised = 0
+        self.shards = 0
+        self.read_workers = 1
+        self.technique = ""
+        self.total = 0.0
+
+    @contextlib.contextmanager
+    def phase(self, name: str):
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.phases[name] = self.phases.get(name, 0.0) + time.perf_counter() - start
+
+    def as_dict(self) -> dict:
+        return {k: v for k, v in vars(self).items()}
+
+    def summary(self) -> str:
+        phases = ", ".join(f"{k} {v:.3f}s" for k, v in self.phases.items())
+        return (
+            f"{self.library} {self.model_class}: {self.total:.3f}s ({phases}); "
+            f"{self.tensors_read} tensors read from {self.shards} file(s) with {self.read_workers} worker(s), "
+            f"{self.tensors_assigned} assigned, {self.tensors_cast} cast, {self.cells_reinitialised} cells "
+            f"initialised for missing weights; technique: {self.technique}"
+        )
+
+
+_last_reports: list[LoadReport] = []
+
+
+def last_report() -> LoadReport | None:
+    """The report of the most recent accelerated load in this process."""
+    return _last_reports[-1] if _last_reports else None
+
+
+def _emit(report: LoadReport) -> None:
+    _last_reports[:] = [report]
+    level = logging.INFO if os.environ.get(REPORT_ENV_VAR, "").strip().lower() in ("1", "true", "on", "yes") else logging.DEBUG
+    if level == logging.INFO and not logger.handlers and not logging.getLogger().handlers:
+        logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
+        logger.setLevel(logging.INFO)
+    logger.log(level, "%s", report.summary())
+
+
+class LoadContext:
+    """What one from_pretrained call in this thread needs across mindone's
+    internals: the construction window, what was assigned, caches, the report."""
+
+    def __init__(self, report: LoadReport):
+        self.report = report
+        self.exit_stack = contextlib.ExitStack()
+        self.construction_root = None
+        self.constructing = False
+        self.loaded: dict[int, object] = {}  # id(param) -> tensor assigned
+        self.cache: dict = {}
+
+    def close_construction(self) -> None:
+        if self.constructing:
+            self.constructing = False
+            self.exit_stack.close()
+
+
+def current() -> LoadContext | None:
+    return getattr(_local, "context", None)
+
+
+@contextlib.contextmanager
+def activate(report: LoadReport):
+    """Make a LoadContext current for this thread; nested loads (a pipeline
+    loading components) get their own and restore the outer one."""
+    outer = current()
+    context = LoadContext(report)
+    _local.context = context
+    start = time.perf_counter()
+    try:
+        yield context
+    finally:
+        context.close_construction()  # also on error: lock and no-init flag released
+        _local.context = outer
+        report.total = time.perf_counter() - start
+    _emit(report)

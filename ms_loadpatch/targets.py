@@ -1,0 +1,64 @@
+"""The table of everything ms_loadpatch patches.
+
+One row per binding: a function imported by name into another module
+(`from .x import load_state_dict`) is a separate row, because patching the
+defining module does not change the other module's name.
+Wrappers are named as "module:attribute" and imported only when their target
+module is, so `import ms_loadpatch` imports neither mindspore nor mindone.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+_MINDONE_05 = {"mindone": ">=0.5.0,<0.6"}
+
+_TF = "mindone.transformers.modeling_utils"
+_DF = "mindone.diffusers.models.modeling_utils"
+_DF_LOADING = "mindone.diffusers.models.model_loading_utils"
+_TF_GLUE = "ms_loadpatch.glue.transformers"
+_DF_GLUE = "ms_loadpatch.glue.diffusers"
+
+
+@dataclasses.dataclass(frozen=True)
+class Target:
+    module: str
+    path: str  # attribute path inside the module, e.g. "PreTrainedModel.from_pretrained"
+    wrapper: str  # "module:function" taking (wrapped, instance, args, kwargs)
+    requires: dict = dataclasses.field(default_factory=lambda: dict(_MINDONE_05))
+    # "function": wrapt.FunctionWrapper(original, wrapper); "proxy": `wrapper` is a
+    # factory returning a wrapt.ObjectProxy of the original (for a non-callable)
+    kind: str = "function"
+
+    @property
+    def key(self) -> str:
+        return f"{self.module}:{self.path}"
+
+
+TARGETS: tuple[Target, ...] = (
+    # mindone.transformers
+    Target(_TF, "PreTrainedModel.from_pretrained", f"{_TF_GLUE}:from_pretrained"),
+    Target(_TF, "PreTrainedModel._from_config", f"{_TF_GLUE}:from_config"),
+    Target(_TF, "ModuleUtilsMixin.half", f"{_TF_GLUE}:half"),
+    Target(_TF, "ModuleUtilsMixin.float", f"{_TF_GLUE}:float_"),
+    Target(_TF, "ModuleUtilsMixin.to", f"{_TF_GLUE}:to"),
+    Target(_TF, "load_state_dict", f"{_TF_GLUE}:load_state_dict"),
+    # internals of its loading path, active only inside an accelerated from_pretrained
+    Target(_TF, "PreTrainedModel.__init__", f"{_TF_GLUE}:model_init"),
+    Target(_TF, "PreTrainedModel.init_weights", f"{_TF_GLUE}:init_weights"),
+    Target(_TF, "PreTrainedModel._load_pretrained_model", f"{_TF_GLUE}:load_pretrained_model"),
+    Target(_TF, "_convert_state_dict", f"{_TF_GLUE}:convert_state_dict"),
+    Target(_TF, "_load_state_dict_into_model", f"{_TF_GLUE}:load_state_dict_into_model"),
+    # its `gc` name only (not the gc module): gc.collect() per shard costs ~0.2 s
+    Target(_TF, "gc", f"{_TF_GLUE}:GcWithoutPerShardCollect", kind="proxy"),
+    # mindone.diffusers
+    Target(_DF, "ModelMixin.from_pretrained", f"{_DF_GLUE}:from_pretrained"),
+    Target(_DF, "ModelMixin.half", f"{_DF_GLUE}:half"),
+    Target(_DF, "ModelMixin.float", f"{_DF_GLUE}:float_"),
+    Target(_DF, "ModelMixin.to", f"{_DF_GLUE}:to"),
+    Target(_DF_LOADING, "load_state_dict", f"{_DF_GLUE}:load_state_dict"),
+    # ...and every module that binds diffusers' load_state_dict by name
+    Target(_DF, "load_state_dict", f"{_DF_GLUE}:load_state_dict"),
+    Target("mindone.diffusers.loaders.lora_base", "load_state_dict", f"{_DF_GLUE}:load_state_dict"),
+    Target("mindone.diffusers.loaders.single_file_utils", "load_state_dict", f"{_DF_GLUE}:load_state_dict"),
+)

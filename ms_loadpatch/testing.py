@@ -1,0 +1,108 @@
+"""Tools for "patched equals unpatched" regression tests: snapshot a model,
+compare two snapshots, load both ways, and route CPU-missing kernels."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+
+import numpy as np
+
+from .core import disabled, enabled
+
+
+@dataclasses.dataclass
+class TensorRecord:
+    kind: str  # "param" or "buffer"
+    shape: tuple
+    dtype: str
+    bits: np.ndarray  # raw bytes as unsigned ints: bit-exact, NaN-safe comparison
+    requires_grad: bool | None
+    param_name: str | None
+
+
+def _bits(tensor) -> np.ndarray:
+    array = np.ascontiguousarray(tensor.asnumpy())
+    if array.dtype.itemsize in (1, 2, 4, 8):
+        return array.view(f"u{array.dtype.itemsize}").copy()
+    return array.copy()
+
+
+def snapshot(model) -> dict:
+    """Every parameter and buffer by structural name, with its bytes, plus
+    which names share one Parameter object (tied weights) and the training mode."""
+    records = {}
+    owner_of = {}
+    ties = {}
+    for name, param in model.parameters_and_names(expand=True):
+        records[name] = TensorRecord("param", tuple(param.shape), str(param.dtype), _bits(param),
+                                     bool(param.requires_grad), param.name)
+    for prefix, cell in model.cells_and_names():
+        for attr, param in cell._params.items():
+            if param is None:
+                continue
+            key = f"{prefix}.{attr}" if prefix else attr
+            first = owner_of.setdefault(id(param), key)
+            if first != key:
+                ties.setdefault(first, []).append(key)
+    for name, buffer in model.named_buffers():
+        records[name] = TensorRecord("buffer", tuple(buffer.shape), str(buffer.dtype), _bits(buffer), None, None)
+    return {"tensors": records, "ties": {k: sorted(v) for k, v in ties.items()}, "training": bool(model.training)}
+
+
+def compare(expected: dict, actual: dict, skip_values=()) -> list[str]:
+    """Differences between two snapshots, as readable lines (empty when equal).
+    `skip_values`: names whose values are not compared (randomly initialised ones)."""
+    problems = []
+    exp, act = expected["tensors"], actual["tensors"]
+    for name in sorted(set(exp) - set(act)):
+        problems.append(f"{name}: missing from the second model")
+    for name in sorted(set(act) - set(exp)):
+        problems.append(f"{name}: only in the second model")
+    for name in sorted(set(exp) & set(act)):
+        a, b = exp[name], act[name]
+        for field in ("kind", "shape", "dtype", "requires_grad", "param_name"):
+            if getattr(a, field) != getattr(b, field):
+                problems.append(f"{name}: {field} {getattr(a, field)!r} != {getattr(b, field)!r}")
+        if name in skip_values or a.shape != b.shape or a.dtype != b.dtype:
+            continue
+        if not np.array_equal(a.bits, b.bits):
+            differing = int(np.count_nonzero(a.bits != b.bits))
+            problems.append(f"{name}: values differ in {differing} of {a.bits.size} elements")
+    if expected["ties"] != actual["ties"]:
+        problems.append(f"tied parameters differ: {expected['ties']} != {actual['ties']}")
+    if expected["training"] != actual["training"]:
+        problems.append(f"training mode {expected['training']} != {actual['training']}")
+    return problems
+
+
+def load_both(load):
+    """(unpatched result, patched result) of `load()`, called once each, in one process."""
+    with disabled():
+        reference = load()
+    with enabled():
+        accelerated = load()
+    return reference, accelerated
+
+
+def assert_same_model(reference, accelerated, skip_values=()) -> None:
+    problems = compare(snapshot(reference), snapshot(accelerated), skip_values)
+    if problems:
+        shown = "\n  ".join(problems[:20])
+        more = f"\n  ... and {len(problems) - 20} more" if len(problems) > 20 else ""
+        raise AssertionError(f"patched load differs from unpatched load:\n  {shown}{more}")
+
+
+@contextlib.contextmanager
+def cpu_kernel_fallbacks():
+    """mindspore's CPU wheel lacks some kernels mindone calls while building
+    models (`Arange` behind `mint.arange`). Route them to equivalent ops for
+    the duration; apply it to both loads of a comparison."""
+    import wrapt
+    from mindspore import mint, ops
+
+    def arange(wrapped, instance, args, kwargs):
+        return ops.arange(*args, **kwargs)
+
+    with wrapt.scoped_function_wrapper(mint, "arange", arange):
+        yield
