@@ -61,4 +61,14 @@ TARGETS: tuple[Target, ...] = (
     Target(_DF, "load_state_dict", f"{_DF_GLUE}:load_state_dict"),
     Target("mindone.diffusers.loaders.lora_base", "load_state_dict", f"{_DF_GLUE}:load_state_dict"),
     Target("mindone.diffusers.loaders.single_file_utils", "load_state_dict", f"{_DF_GLUE}:load_state_dict"),
+    # construction outside from_pretrained waits for any lazy-construction window
+    Target("mindone.diffusers.configuration_utils", "ConfigMixin.from_config", f"{_DF_GLUE}:from_config"),
+    # internals of its loading path, active only inside an accelerated from_pretrained
+    Target(_DF, "no_init_parameters", f"{_DF_GLUE}:no_init_parameters"),
+    Target(_DF, "ModelMixin._load_pretrained_model", f"{_DF_GLUE}:load_pretrained_model"),
+    Target(_DF, "_load_shard_file", f"{_DF_GLUE}:load_shard_file"),
+    Target(_DF, "_convert_state_dict", f"{_DF_GLUE}:convert_state_dict"),
+    # read once at import and raising when true: inside an accelerated load the
+    # environment is read at call time instead
+    Target(_DF, "HF_ENABLE_PARALLEL_LOADING", f"{_DF_GLUE}:ParallelLoadingFlag", kind="proxy"),
 )

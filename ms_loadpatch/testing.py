@@ -95,14 +95,30 @@ def assert_same_model(reference, accelerated, skip_values=()) -> None:
 
 @contextlib.contextmanager
 def cpu_kernel_fallbacks():
-    """mindspore's CPU wheel lacks some kernels mindone calls while building
-    models (`Arange` behind `mint.arange`). Route them to equivalent ops for
-    the duration; apply it to both loads of a comparison."""
+    """mindspore's CPU wheel lacks some kernels mindone calls (`Arange` behind
+    `mint.arange` while building models; `Embedding` and `RmsNorm` in forward
+    passes). Route them to equivalent ops for the duration; apply it to both
+    sides of a comparison so they stay comparable."""
+    import mindspore as ms
     import wrapt
     from mindspore import mint, ops
 
     def arange(wrapped, instance, args, kwargs):
         return ops.arange(*args, **kwargs)
 
-    with wrapt.scoped_function_wrapper(mint, "arange", arange):
+    def embedding(wrapped, instance, args, kwargs):
+        input_ids, weight = args[0], args[1]
+        return ops.gather(weight, input_ids, 0)
+
+    def rms_norm(wrapped, instance, args, kwargs):
+        x, gamma = args[0], args[1]
+        epsilon = args[2] if len(args) > 2 else kwargs.get("epsilon", 1e-6)
+        x32 = x.astype(ms.float32)
+        rstd = ops.rsqrt((x32 * x32).mean(-1, keep_dims=True) + epsilon)
+        return (x32 * rstd).astype(x.dtype) * gamma, rstd
+
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(wrapt.scoped_function_wrapper(mint, "arange", arange))
+        stack.enter_context(wrapt.scoped_function_wrapper(ops, "embedding", embedding))
+        stack.enter_context(wrapt.scoped_function_wrapper(ops, "rms_norm", rms_norm))
         yield

@@ -9,6 +9,8 @@ import textwrap
 
 import pytest
 
+pytestmark = pytest.mark.matrix
+
 from conftest import report_of, run_python
 from ms_loadpatch.targets import TARGETS
 

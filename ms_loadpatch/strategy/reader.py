@@ -4,6 +4,11 @@ beyond the read itself, and with every header field checked.
 The data section is read once into one numpy buffer per file; every tensor
 is a view of it. Not mmap: an aliased mmap defers the read to first use and
 follows later writes to the file.
+
+The header is accepted exactly when the safetensors library accepts it
+(the check mindone itself runs before loading a file), except that dtypes
+numpy cannot hold (F8_*, F6_*, F4, C64) are refused. tests/test_reader_fuzz.py
+holds the two readers against each other.
 """
 
 from __future__ import annotations
@@ -16,9 +21,17 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
-# Headers of real checkpoints are well under this; a larger claim is corruption.
-MAX_HEADER_BYTES = 100 * 1024 * 1024
+# safetensors' own limit (MAX_HEADER_SIZE); a larger claim is corruption.
+MAX_HEADER_BYTES = 100_000_000
+# serde_json (safetensors' JSON parser) refuses deeper nesting.
+_MAX_JSON_DEPTH = 127
+_U64 = 1 << 64
 _LFS_POINTER_PREFIX = b"version https://git-lfs"
+# dtypes safetensors knows but numpy cannot represent
+_UNSUPPORTED_DTYPES = frozenset(
+    {"F4", "F6_E2M3", "F6_E3M2", "F8_E5M2", "F8_E4M3", "F8_E8M0", "F8_E4M3FNUZ", "F8_E5M2FNUZ", "C64"}
+)
+_TENSOR_FIELDS = ("dtype", "shape", "data_offsets")
 
 
 class CheckpointError(OSError):
@@ -27,8 +40,13 @@ class CheckpointError(OSError):
     def __init__(self, path, problem: str, key: str | None = None):
         self.path = os.fspath(path)
         self.key = key
-        where = f"tensor {key!r} of " if key else ""
+        self.problem = problem
+        where = f"tensor {key!r} of " if key is not None else ""
         super().__init__(f"Cannot load {where}checkpoint file {self.path}: {problem}")
+
+
+class CheckpointNotFoundError(CheckpointError, FileNotFoundError):
+    """A checkpoint file that does not exist: a FileNotFoundError, as unpatched mindone raises."""
 
 
 def _numpy_dtypes() -> dict[str, np.dtype]:
@@ -80,6 +98,111 @@ class SafetensorsHeader:
         return 8 + self.header_len
 
 
+# -- JSON as serde_json reads it (Python's json is more lenient in a few places)
+
+
+class _Object(list):
+    """A JSON object as its (key, value) pairs, so duplicate keys stay visible."""
+
+    __slots__ = ()
+
+
+def _reject_constant(name):
+    raise ValueError(f"{name} is not valid JSON")
+
+
+def _finite_float(text):
+    value = float(text)
+    if math.isinf(value):
+        raise ValueError(f"number out of range: {text}")
+    return value
+
+
+def _serde_int(text):
+    # serde_json reads -0 as a float: not a valid size or offset
+    return -0.0 if text == "-0" else int(text)
+
+
+def _loads(text: str):
+    hooks = {"parse_constant": _reject_constant, "parse_float": _finite_float}
+    if "-0" in text:  # the int hook costs a Python call per number: only when needed
+        hooks["parse_int"] = _serde_int
+    return json.loads(text, object_pairs_hook=_Object, **hooks)
+
+
+def _check_free_value(path, value, depth: int, key) -> None:
+    """A value safetensors ignores (an unknown field) must still be JSON serde_json accepts."""
+    stack = [(value, depth)]
+    while stack:
+        item, level = stack.pop()
+        if isinstance(item, (list, _Object)):
+            if level + 1 > _MAX_JSON_DEPTH:
+                raise CheckpointError(path, "the header nests deeper than safetensors allows", key=key)
+            if isinstance(item, _Object):
+                for k, v in item:
+                    _check_str(path, k, key)
+                    stack.append((v, level + 1))
+            else:
+                stack.extend((v, level + 1) for v in item)
+        elif isinstance(item, str):
+            _check_str(path, item, key)
+        elif type(item) is int and not -(1 << 63) <= item < _U64:
+            try:  # serde_json reads it as a float
+                float(item)
+            except OverflowError:
+                raise CheckpointError(path, "a number in the header is out of range", key=key) from None
+
+
+def _check_str(path, text: str, key) -> None:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise CheckpointError(path, "the header has a lone surrogate \\u escape (not valid JSON text)", key=key) from None
+
+
+def _tensor_entry(path, name, info, dtypes, check_strings: bool):
+    """(dtype name, shape, offsets) of one entry, checked as safetensors'
+    TensorInfo is deserialized: an object with these three fields (unknown
+    fields ignored), or the same three as a list; dtype a name, or {name: null}."""
+    if type(info) is _Object:
+        fields = dict(info)
+        if len(fields) != 3 or len(info) != 3 or not all(f in fields for f in _TENSOR_FIELDS):
+            fields = {}  # the uncommon shapes: unknown fields, duplicates, missing fields
+            for field, value in info:
+                if field in _TENSOR_FIELDS:
+                    if field in fields:
+                        raise CheckpointError(path, f"the entry has {field!r} twice", key=name)
+                    fields[field] = value
+                else:
+                    if check_strings:
+                        _check_str(path, field, name)
+                    _check_free_value(path, value, 2, name)
+            missing = [f for f in _TENSOR_FIELDS if f not in fields]
+            if missing:
+                raise CheckpointError(path, f"the entry has no {missing[0]!r}", key=name)
+        dtype_name, shape, offsets = fields["dtype"], fields["shape"], fields["data_offsets"]
+    elif type(info) is list and len(info) == 3:
+        dtype_name, shape, offsets = info
+    else:
+        raise CheckpointError(path, f"the entry is not a tensor description: {_short(info)}", key=name)
+    if type(dtype_name) is _Object and len(dtype_name) == 1 and dtype_name[0][1] is None:
+        dtype_name = dtype_name[0][0]
+    if not (type(dtype_name) is str and (dtype_name in dtypes or dtype_name in _UNSUPPORTED_DTYPES)):
+        raise CheckpointError(path, f"unknown dtype {_short(dtype_name)}", key=name)
+    if not (type(shape) is list and all(type(d) is int and 0 <= d < _U64 for d in shape)):
+        raise CheckpointError(path, f"invalid shape {_short(shape)}", key=name)
+    if not (
+        type(offsets) is list and len(offsets) == 2 and all(type(o) is int and 0 <= o < _U64 for o in offsets)
+    ):
+        raise CheckpointError(path, f"invalid data_offsets {_short(offsets)}", key=name)
+    return dtype_name, shape, offsets
+
+
+def _short(value) -> str:
+    text = repr(dict(value) if isinstance(value, _Object) else value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
 def parse_header(path, file_size: int, head: bytes) -> SafetensorsHeader:
     """Validate `head` (the first bytes of the file, at least 8 + header length)."""
     if file_size == 0:
@@ -96,42 +219,76 @@ def parse_header(path, file_size: int, head: bytes) -> SafetensorsHeader:
         raise CheckpointError(
             path, f"the header claims {header_len} bytes but the file has {file_size}: truncated or not safetensors"
         )
+    raw = head[8 : 8 + header_len]
     try:
-        header = json.loads(head[8 : 8 + header_len].decode("utf-8"))
-    except (UnicodeDecodeError, ValueError) as exc:
-        raise CheckpointError(path, f"the header is not valid JSON ({exc})") from None
-    if not isinstance(header, dict):
+        text = raw.decode("utf-8")
+        header = _loads(text)
+    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
+        problem = "too deeply nested" if isinstance(exc, RecursionError) else exc
+        raise CheckpointError(path, f"the header is not valid JSON ({problem})") from None
+    if not isinstance(header, _Object):
         raise CheckpointError(path, "the header is not a JSON object")
-    metadata = header.pop("__metadata__", None)
-    if metadata is not None and not (
-        isinstance(metadata, dict) and all(isinstance(k, str) and isinstance(v, str) for k, v in metadata.items())
-    ):
-        raise CheckpointError(path, "__metadata__ must map strings to strings")
-    data_len = file_size - 8 - header_len
+    check_strings = "\\u" in text  # a lone surrogate can only come from an escape
     dtypes = numpy_dtypes()
-    entries = {}
-    for name, info in header.items():
-        if not isinstance(info, dict):
-            raise CheckpointError(path, "the entry is not an object", key=name)
-        dtype_name, shape, offsets = info.get("dtype"), info.get("shape"), info.get("data_offsets")
-        if dtype_name not in dtypes:
-            raise CheckpointError(path, f"unknown or unsupported dtype {dtype_name!r}", key=name)
-        if not (isinstance(shape, list) and all(type(d) is int and d >= 0 for d in shape)):
-            raise CheckpointError(path, f"invalid shape {shape!r}", key=name)
-        if not (
-            isinstance(offsets, list) and len(offsets) == 2 and all(type(o) is int and o >= 0 for o in offsets)
-        ):
-            raise CheckpointError(path, f"invalid data_offsets {offsets!r}", key=name)
-        begin, end = offsets
-        dtype = dtypes[dtype_name]
-        if begin > end or end > data_len:
+    metadata, seen_metadata, described = None, False, {}
+    for name, info in header:
+        if check_strings:
+            _check_str(path, name, None)
+        if name == "__metadata__":
+            if seen_metadata:
+                raise CheckpointError(path, "the header has __metadata__ twice")
+            seen_metadata = True
+            if info is None:
+                continue
+            if not (isinstance(info, _Object) and all(isinstance(v, str) for _, v in info)):
+                raise CheckpointError(path, "__metadata__ must map strings to strings")
+            if check_strings:
+                for k, v in info:
+                    _check_str(path, k, None)
+                    _check_str(path, v, None)
+            metadata = dict(info)
+            continue
+        # every description must be well-formed; a later one for the same name wins
+        described[name] = _tensor_entry(path, name, info, dtypes, check_strings)
+    data_len = file_size - 8 - header_len
+    # as safetensors checks: in offset order, each tensor starts where the
+    # previous one ended, and the last one ends where the data does
+    position = 0
+    for begin, end, name in sorted((offsets[0], offsets[1], name) for name, (_, _, offsets) in described.items()):
+        if end > data_len:
             raise CheckpointError(
-                path, f"data_offsets {offsets} point past the end of the data ({data_len} bytes): truncated?", key=name
+                path, f"data_offsets {[begin, end]} point past the end of the data ({data_len} bytes): truncated?",
+                key=name,
             )
-        if end - begin != math.prod(shape) * dtype.itemsize:
+        if begin != position or end < begin:
+            if end < begin:
+                problem = "end before they begin"
+            else:
+                problem = "overlap the previous tensor" if begin < position else "leave a gap before them"
+            raise CheckpointError(path, f"data_offsets {[begin, end]} {problem}", key=name)
+        position = end
+    if position != data_len:
+        raise CheckpointError(
+            path, f"the tensors cover {position} of the {data_len} data bytes: trailing bytes, or not safetensors"
+        )
+    entries = {}
+    for name, (dtype_name, shape, (begin, end)) in described.items():
+        count = 1
+        for dim in shape:
+            count *= dim
+            if count >= _U64:
+                raise CheckpointError(path, f"shape {shape} overflows", key=name)
+        if dtype_name in _UNSUPPORTED_DTYPES:
+            raise CheckpointError(path, f"dtype {dtype_name} is not supported (numpy has no such type)", key=name)
+        dtype = dtypes[dtype_name]
+        if count * dtype.itemsize * 8 >= _U64:
+            raise CheckpointError(path, f"shape {shape} overflows", key=name)
+        if end - begin != count * dtype.itemsize:
             raise CheckpointError(
-                path, f"data_offsets {offsets} hold {end - begin} bytes, shape {shape} of {dtype_name} needs "
-                f"{math.prod(shape) * dtype.itemsize}", key=name
+                path,
+                f"data_offsets {[begin, end]} hold {end - begin} bytes, shape {shape} of {dtype_name} needs "
+                f"{count * dtype.itemsize}",
+                key=name,
             )
         entries[name] = (dtype, tuple(shape), begin, end)
     return SafetensorsHeader(path, header_len, entries, metadata)
@@ -149,7 +306,7 @@ def read_header(path) -> SafetensorsHeader:
             else:
                 head += f.read(64)
     except FileNotFoundError:
-        raise CheckpointError(path, "the file does not exist") from None
+        raise CheckpointNotFoundError(path, "the file does not exist") from None
     return parse_header(path, file_size, head)
 
 

@@ -1,0 +1,252 @@
+"""Bit identity of the accelerated mindone.transformers load against the
+unpatched one, in the same process: every parameter and buffer (names,
+shapes, dtypes, bits, requires_grad, Parameter.name, ties), the loading
+info, the config, and a forward pass where the CPU backend can run it.
+
+Architectures: Qwen2 (tied embeddings), Llama (untied), Mixtral (experts,
+a buffer), T5 (`_keep_in_fp32_modules`), BERT. Forward passes run for Qwen2
+only: the CPU wheel lacks kernels the others call (Llama: "Not implement";
+Mixtral: TopkExt; T5: Clone; BERT: LayerNormExt).
+"""
+
+import json
+import os
+
+import mindspore as ms
+import numpy as np
+import pytest
+import transformers as hf
+from safetensors.numpy import load_file, save_file
+
+import mindone.transformers as mt
+import ms_loadpatch
+from ms_loadpatch.strategy.context import last_report
+from ms_loadpatch.testing import assert_same_model, compare, cpu_kernel_fallbacks, load_both, snapshot
+
+ARCHS = {
+    "qwen2": (
+        mt.Qwen2ForCausalLM,
+        lambda: hf.Qwen2Config(vocab_size=128, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                               num_key_value_heads=2, intermediate_size=64, tie_word_embeddings=True),
+    ),
+    "llama": (
+        mt.LlamaForCausalLM,
+        lambda: hf.LlamaConfig(vocab_size=128, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                               num_key_value_heads=2, intermediate_size=64, tie_word_embeddings=False),
+    ),
+    "mixtral": (
+        mt.MixtralForCausalLM,
+        lambda: hf.MixtralConfig(vocab_size=128, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                 num_key_value_heads=2, intermediate_size=16, num_local_experts=8,
+                                 num_experts_per_tok=2),
+    ),
+    "t5": (
+        mt.T5ForConditionalGeneration,
+        lambda: hf.T5Config(vocab_size=128, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4),
+    ),
+    "bert": (
+        mt.BertModel,
+        lambda: hf.BertConfig(vocab_size=128, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                              intermediate_size=64, max_position_embeddings=64),
+    ),
+}
+# (file dtype, sharded)
+LAYOUTS = {
+    "fp32": (None, False),
+    "fp32-sharded": (None, True),
+    "fp16": (ms.float16, False),
+    "bf16-sharded": (ms.bfloat16, True),
+}
+TARGETS = {"none": None, "float16": ms.float16, "bfloat16": ms.bfloat16, "float32": ms.float32}
+
+
+@pytest.fixture(autouse=True)
+def _cpu_kernels():
+    with cpu_kernel_fallbacks():
+        yield
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    """arch -> layout -> directory, each written by mindone's save_pretrained."""
+    root = tmp_path_factory.mktemp("tf_ckpts")
+    out = {}
+    with cpu_kernel_fallbacks():
+        for arch, (cls, make_config) in ARCHS.items():
+            ms.set_seed(0)
+            model = cls(make_config())
+            out[arch] = {}
+            for layout, (dtype, sharded) in LAYOUTS.items():
+                if dtype is not None:
+                    model.to(dtype)
+                directory = root / f"{arch}-{layout}"
+                model.save_pretrained(str(directory), **({"max_shard_size": "24KB"} if sharded else {}))
+                out[arch][layout] = str(directory)
+    return out
+
+
+def _load(cls, path, **kwargs):
+    return cls.from_pretrained(path, output_loading_info=True, **kwargs)
+
+
+def _assert_identical_loads(cls, path, **kwargs):
+    (ref, ref_info), (acc, acc_info) = load_both(lambda: _load(cls, path, **kwargs))
+    report = last_report()
+    assert report is not None and report.model_class == cls.__name__ and report.tensors_assigned > 0, \
+        "the patched load did not go through the accelerated path"
+    assert acc_info == ref_info
+    assert_same_model(ref, acc)
+    assert acc.config.to_dict() == ref.config.to_dict()
+    assert not any(p.has_init for p in acc.get_parameters()), "a parameter was left lazy"
+    return ref, acc, report
+
+
+def _matrix_subset(arch, layout):
+    # .ci/matrix runs one architecture in every target dtype on every mindspore version
+    marks = [pytest.mark.matrix] if (arch, layout) in {("qwen2", "fp32"), ("qwen2", "bf16-sharded")} else []
+    return pytest.param(arch, layout, marks=marks, id=f"{arch}-{layout}")
+
+
+@pytest.mark.parametrize("target", list(TARGETS))
+@pytest.mark.parametrize("arch,layout", [_matrix_subset(a, l) for a in ARCHS for l in LAYOUTS])
+def test_identical_to_unpatched(checkpoints, arch, layout, target):
+    cls = ARCHS[arch][0]
+    kwargs = {} if TARGETS[target] is None else {"mindspore_dtype": TARGETS[target]}
+    ref, acc, report = _assert_identical_loads(cls, checkpoints[arch][layout], **kwargs)
+    expected_files = len([f for f in os.listdir(checkpoints[arch][layout]) if f.endswith(".safetensors")])
+    assert report.shards == expected_files
+    file_dtype = LAYOUTS[layout][0] or ms.float32
+    model_dtype = TARGETS[target] or ms.float32
+    # cast exactly when some dtype differs (T5 keeps `wo` in fp32): no round trip through fp32
+    assert (report.tensors_cast > 0) == any(p.dtype != file_dtype for p in acc.get_parameters())
+    assert model_dtype in {p.dtype for p in acc.get_parameters()}
+
+
+def test_dtype_keyword(checkpoints):
+    _assert_identical_loads(mt.LlamaForCausalLM, checkpoints["llama"]["fp32"], dtype=ms.bfloat16)
+
+
+def test_keep_in_fp32_modules_stay_fp32(checkpoints):
+    _, acc, _ = _assert_identical_loads(mt.T5ForConditionalGeneration, checkpoints["t5"]["fp32"],
+                                        mindspore_dtype=ms.float16)
+    dtypes = {name: p.dtype for name, p in acc.parameters_and_names()}
+    assert {d for n, d in dtypes.items() if ".wo." in n} == {ms.float32}
+    assert ms.float16 in set(dtypes.values())
+
+
+def test_tied_weights_are_one_parameter(checkpoints):
+    _, acc, _ = _assert_identical_loads(mt.Qwen2ForCausalLM, checkpoints["qwen2"]["fp32"])
+    assert acc.lm_head.weight is acc.model.embed_tokens.embedding_table
+
+
+def test_parallel_shard_loading(checkpoints, monkeypatch):
+    monkeypatch.setenv("HF_ENABLE_PARALLEL_LOADING", "1")
+    monkeypatch.setenv("HF_PARALLEL_LOADING_WORKERS", "3")
+    _, _, report = _assert_identical_loads(mt.MixtralForCausalLM, checkpoints["mixtral"]["bf16-sharded"],
+                                           mindspore_dtype=ms.float32)
+    assert report.read_workers == 3 and report.shards > 3
+
+
+def test_forward_pass_identical(checkpoints):
+    ids = ms.Tensor(np.arange(12).reshape(1, 12) % 100, ms.int32)
+    for layout in ("fp32", "bf16-sharded"):
+        ref, acc = load_both(lambda: mt.Qwen2ForCausalLM.from_pretrained(checkpoints["qwen2"][layout]))
+        expected, actual = ref(ids)[0].asnumpy(), acc(ids)[0].asnumpy()
+        assert np.array_equal(expected.view(np.uint32), actual.view(np.uint32))
+
+
+def _edit_checkpoint(src, dst, edit):
+    os.makedirs(dst, exist_ok=True)
+    for name in os.listdir(src):
+        if name.endswith(".json"):
+            with open(os.path.join(src, name)) as f, open(os.path.join(dst, name), "w") as g:
+                g.write(f.read())
+    tensors = load_file(os.path.join(src, "model.safetensors"))
+    save_file(edit(tensors), os.path.join(dst, "model.safetensors"), metadata={"format": "np"})
+    return dst
+
+
+def _stats_close(a, b, rel=0.25):
+    a, b = a.astype(np.float32), b.astype(np.float32)
+    return abs(a.std() - b.std()) <= rel * max(a.std(), b.std()) and abs(a.mean() - b.mean()) <= 0.1 * max(a.std(), 1e-3) + 1e-3
+
+
+def test_missing_and_unexpected_keys(checkpoints, tmp_path):
+    dropped = ["model.layers.1.mlp.up_proj.weight", "model.layers.0.self_attn.q_proj.bias", "model.norm.weight"]
+
+    def edit(tensors):
+        for key in dropped:
+            del tensors[key]
+        tensors["model.extra_head.weight"] = np.ones((4, 4), np.float32)
+        return tensors
+
+    path = _edit_checkpoint(checkpoints["qwen2"]["fp32"], str(tmp_path / "qwen2-missing"), edit)
+    for kwargs in ({}, {"mindspore_dtype": ms.bfloat16}):
+        (ref, ref_info), (acc, acc_info) = load_both(lambda: _load(mt.Qwen2ForCausalLM, path, **kwargs))
+        assert acc_info == ref_info
+        assert set(dropped) <= set(acc_info["missing_keys"]) and acc_info["unexpected_keys"] == ["model.extra_head.weight"]
+        problems = compare(snapshot(ref), snapshot(acc), skip_values=set(dropped))
+        assert not problems, problems
+        params = dict(acc.parameters_and_names())
+        ref_params = dict(ref.parameters_and_names())
+        assert not any(p.has_init for p in params.values())
+        # initialised as mindone does: Normal(0, initializer_range) weights, zero bias, ones norm
+        weight = params["model.layers.1.mlp.up_proj.weight"].astype(ms.float32).asnumpy()
+        assert _stats_close(weight, ref_params["model.layers.1.mlp.up_proj.weight"].astype(ms.float32).asnumpy())
+        assert abs(weight.std() - acc.config.initializer_range) < 0.25 * acc.config.initializer_range
+        bias = params["model.layers.0.self_attn.q_proj.bias"].astype(ms.float32).asnumpy()
+        assert np.array_equal(bias, ref_params["model.layers.0.self_attn.q_proj.bias"].astype(ms.float32).asnumpy())
+        assert np.array_equal(params["model.norm.weight"].astype(ms.float32).asnumpy(), np.ones(32, np.float32))
+
+
+def test_mismatched_sizes_ignored(checkpoints, tmp_path):
+    def edit(tensors):
+        tensors["model.layers.0.mlp.down_proj.weight"] = np.ones((32, 32), np.float32)  # model has (32, 64)
+        return tensors
+
+    path = _edit_checkpoint(checkpoints["llama"]["fp32"], str(tmp_path / "llama-mismatch"), edit)
+    key = "model.layers.0.mlp.down_proj.weight"
+    (ref, ref_info), (acc, acc_info) = load_both(lambda: _load(mt.LlamaForCausalLM, path, ignore_mismatched_sizes=True))
+    assert acc_info == ref_info and [k[0] for k in acc_info["mismatched_keys"]] == [key]
+    assert not compare(snapshot(ref), snapshot(acc), skip_values={key})
+    weight = dict(acc.parameters_and_names())[key]
+    assert not weight.has_init and weight.shape == (32, 64)
+    assert _stats_close(weight.asnumpy(), dict(ref.parameters_and_names())[key].asnumpy())
+    with ms_loadpatch.disabled(), pytest.raises(RuntimeError, match="size mismatch"):
+        mt.LlamaForCausalLM.from_pretrained(path)
+    with pytest.raises(RuntimeError, match="size mismatch"):
+        mt.LlamaForCausalLM.from_pretrained(path)
+
+
+@pytest.mark.parametrize("method,args", [("half", ()), ("float", ()), ("to", (ms.bfloat16,)), ("to", (ms.float32,))])
+def test_half_float_to_in_place(checkpoints, method, args):
+    ref, acc = load_both(lambda: mt.T5ForConditionalGeneration.from_pretrained(checkpoints["t5"]["fp16"]))
+    with ms_loadpatch.disabled():
+        ref_out = getattr(ref, method)(*args)
+    acc_params = {id(p) for p in acc.get_parameters()}
+    acc_out = getattr(acc, method)(*args)
+    assert ref_out is ref and acc_out is acc
+    assert {id(p) for p in acc.get_parameters()} == acc_params, "cast must keep the Parameter objects"
+    assert_same_model(ref, acc)
+
+
+def test_load_state_dict_direct_call(checkpoints):
+    from mindone.transformers.modeling_utils import load_state_dict
+
+    path = os.path.join(checkpoints["llama"]["fp16"], "model.safetensors")
+    with ms_loadpatch.disabled():
+        expected = load_state_dict(path)
+    actual = load_state_dict(path)
+    assert list(actual) == list(expected)
+    for key, value in expected.items():
+        assert isinstance(actual[key], ms.Parameter)
+        assert actual[key].dtype == value.dtype and actual[key].shape == value.shape
+        assert np.array_equal(actual[key].asnumpy().view(np.uint16), value.asnumpy().view(np.uint16))
+
+
+def test_from_config_uses_fast_cast(checkpoints):
+    with open(os.path.join(checkpoints["llama"]["fp32"], "config.json")) as f:
+        config = hf.LlamaConfig(**json.load(f))
+    model = mt.LlamaForCausalLM._from_config(config, dtype=ms.bfloat16)
+    assert {p.dtype for p in model.get_parameters()} == {ms.bfloat16}
+    assert not any(p.has_init for p in model.get_parameters())
