@@ -59,13 +59,50 @@ def last_report() -> LoadReport | None:
     return _last_reports[-1] if _last_reports else None
 
 
+def report_requested() -> bool:
+    return os.environ.get(REPORT_ENV_VAR, "").strip().lower() in ("1", "true", "on", "yes")
+
+
+_handler_lock = threading.Lock()
+_stderr_handler: logging.Handler | None = None
+
+
+def _has_other_handler() -> bool:
+    node = logger
+    while node is not None:
+        if any(h is not _stderr_handler for h in node.handlers):
+            return True
+        if not node.propagate:
+            return False
+        node = node.parent
+    return False
+
+
+def _make_visible() -> None:
+    """MS_LOADPATCH_REPORT=1 asks to see reports whatever the app's logging
+    setup, but the root logger is the app's: when nothing handles our records,
+    print them with a handler of our own, dropped once the app adds one."""
+    global _stderr_handler
+    with _handler_lock:
+        if logger.level == logging.NOTSET:
+            logger.setLevel(logging.INFO)
+        if _has_other_handler():
+            if _stderr_handler is not None:
+                logger.removeHandler(_stderr_handler)
+                _stderr_handler = None
+        elif _stderr_handler is None:
+            _stderr_handler = logging.StreamHandler()
+            _stderr_handler.setFormatter(logging.Formatter("%(name)s: %(message)s"))
+            logger.addHandler(_stderr_handler)
+
+
 def _emit(report: LoadReport) -> None:
     _last_reports[:] = [report]
-    level = logging.INFO if os.environ.get(REPORT_ENV_VAR, "").strip().lower() in ("1", "true", "on", "yes") else logging.DEBUG
-    if level == logging.INFO and not logger.handlers and not logging.getLogger().handlers:
-        logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
-        logger.setLevel(logging.INFO)
-    logger.log(level, "%s", report.summary())
+    if report_requested():
+        _make_visible()
+        logger.info("%s", report.summary())
+    else:
+        logger.debug("%s", report.summary())
 
 
 class LoadContext:
@@ -74,7 +111,8 @@ class LoadContext:
 
     def __init__(self, report: LoadReport):
         self.report = report
-        self.exit_stack = contextlib.ExitStack()
+        self.exit_stack = contextlib.ExitStack()  # the construction window
+        self.cleanup = contextlib.ExitStack()  # everything else, closed when the load ends
         self.construction_root = None
         self.constructing = False
         self.loaded: dict[int, object] = {}  # id(param) -> tensor assigned
@@ -101,7 +139,12 @@ def activate(report: LoadReport):
     try:
         yield context
     finally:
-        context.close_construction()  # also on error: lock and no-init flag released
-        _local.context = outer
-        report.total = time.perf_counter() - start
+        try:
+            context.close_construction()  # also on error: lock and no-init flag released
+        finally:
+            try:
+                context.cleanup.close()
+            finally:
+                _local.context = outer
+                report.total = time.perf_counter() - start
     _emit(report)
