@@ -7,8 +7,9 @@ are swapped for the strategy's:
 
 - construction: the same lazy `no_init_parameters` window, under the
   construction lock;
-- reading: one owned buffer per file, tensors are zero-copy views; shards
-  read by a thread pool when HF_ENABLE_PARALLEL_LOADING is set at call time;
+- reading: one owned buffer per file, tensors are zero-copy views; files
+  read in background threads while the model is built (more threads when
+  HF_ENABLE_PARALLEL_LOADING is set at call time; mindone raises instead);
 - assignment: one dict lookup per checkpoint key (mindone rescans every
   parameter per shard and removes keys from a list); each tensor is cast at
   most once, straight to the final dtype, and the lazy parameter's dtype is
@@ -25,6 +26,7 @@ load is active in the calling thread.
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import os
 import sys
@@ -36,7 +38,8 @@ from mindspore import ops
 from ..strategy import context
 from ..strategy.assign import cast_parameters
 from ..strategy.construct import CONSTRUCTION_LOCK, lazy_construction
-from ..strategy.reader import CheckpointError, read_arrays, read_many
+from ..strategy.prefetch import Prefetcher
+from ..strategy.reader import CheckpointError, read_arrays
 from ..strategy.tensors import cast, to_tensor
 from .transformers import parallel_workers
 
@@ -101,7 +104,12 @@ def from_pretrained(wrapped, instance, args, kwargs):
     report = context.LoadReport(instance.__name__, _LIBRARY)
     report.technique = _TECHNIQUE
     with context.activate(report) as ctx:
-        result = wrapped(*args, **kwargs)
+        prefetcher = _start_prefetch(ctx, args, kwargs)
+        try:
+            result = wrapped(*args, **kwargs)
+        finally:
+            if prefetcher is not None:
+                prefetcher.close()  # drops what was not taken; waits for running reads
         model = result[0] if isinstance(result, tuple) else result
         if ctx.cache.get("passthrough"):
             report.technique = f"fallback to mindone: {ctx.cache['passthrough']}"
@@ -208,18 +216,7 @@ def load_pretrained_model(wrapped, instance, args, kwargs):
                 kwargs = dict(kwargs, state_dict=state_dict)
         return wrapped(*args, **kwargs)
     ctx.cache["index"] = (model, index)
-    workers = parallel_workers()
-    ctx.report.read_workers = workers
-    prefetch = None
-    if workers > 1 and len(paths) > 1:
-        prefetch = read_many(paths, workers)  # a generator: shards are consumed (and freed) in order
-        ctx.cache["prefetch"] = prefetch
-    try:
-        result = wrapped(*args, **kwargs)
-    finally:
-        if prefetch is not None:
-            prefetch.close()  # waits for reads still running
-        ctx.cache.pop("prefetch", None)
+    result = wrapped(*args, **kwargs)
     ctx.cache["load_done"] = True
     return result
 
@@ -299,22 +296,54 @@ def _timed_construction(ctx):
         yield
 
 
+def _local_checkpoint_files(args, kwargs) -> list[str]:
+    """The safetensors files mindone will resolve for a local directory, in the
+    same lookup order (index first; a single file at the root before the
+    subfolder); [] where that is not plain to see (hub ids, .bin, legacy names).
+    A wrong guess costs a wasted read, never a wrong model: files are taken by path."""
+    path = args[0] if args else kwargs.get("pretrained_model_name_or_path")
+    if not isinstance(path, (str, os.PathLike)) or kwargs.get("use_safetensors") is False:
+        return []
+    root, subfolder, variant = os.fspath(path), kwargs.get("subfolder"), kwargs.get("variant")
+    if not os.path.isdir(root):
+        return []
+    add_variant = _modeling_utils()._add_variant
+    index = os.path.join(root, subfolder or "", add_variant("diffusion_pytorch_model.safetensors.index.json", variant))
+    if os.path.isfile(index):
+        try:
+            with open(index) as f:
+                weight_map = json.load(f)["weight_map"]
+            return [os.path.join(root, subfolder or "", name) for name in sorted(set(weight_map.values()))]
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+            return []  # mindone reads (and reports on) the index itself
+    name = add_variant("diffusion_pytorch_model.safetensors", variant)
+    for candidate in (os.path.join(root, name), os.path.join(root, subfolder, name) if subfolder else None):
+        if candidate is not None and os.path.isfile(candidate):
+            return [candidate]
+    return []
+
+
+def _start_prefetch(ctx, args, kwargs):
+    """Read the files in background threads while mindone builds the model;
+    HF_ENABLE_PARALLEL_LOADING (read now, not at import) sets the thread count."""
+    workers = parallel_workers()
+    ctx.report.read_workers = workers
+    files = _local_checkpoint_files(args, kwargs)
+    if not files:
+        return None
+    prefetcher = Prefetcher([os.path.normpath(f) for f in files], workers=workers)
+    ctx.cache["prefetcher"] = prefetcher
+    return prefetcher
+
+
 def _read(ctx, path) -> dict:
-    """Arrays of one file: the prefetched ones if the parallel reader has it next."""
+    """Arrays of one file: taken from the prefetcher if it read it, else read now."""
     if ctx is None:
         return read_arrays(path)[0]
-    prefetch = ctx.cache.get("prefetch")
-    arrays = None
+    prefetcher = ctx.cache.get("prefetcher")
     with ctx.report.phase("read"):
-        if prefetch is not None:
-            for done_path, (done_arrays, _metadata) in prefetch:
-                if os.fspath(done_path) == os.fspath(path):
-                    arrays = done_arrays
-                    break
-            else:
-                ctx.cache.pop("prefetch", None)
-        if arrays is None:
-            arrays, _metadata = read_arrays(path)
+        taken = prefetcher.take(os.path.normpath(os.fspath(path))) if prefetcher is not None else None
+        arrays = taken[0] if taken is not None else read_arrays(path)[0]
     ctx.report.tensors_read += len(arrays)
     ctx.report.shards += 1
     return arrays

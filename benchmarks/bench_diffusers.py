@@ -1,0 +1,346 @@
+"""Benchmark: unpatched vs patched mindone.diffusers from_pretrained.
+
+Generates its checkpoints (random weights, cached in $MS_LOADPATCH_CACHE or
+~/.cache/ms_loadpatch), then per case: each load in a fresh process, median
+over --repeats, peak RSS, and the floors measured in the same run (reading
+every checkpoint byte; constructing under no_init_parameters). Every weight
+is touched before the clock stops. Single models go through the shared
+harness (ms_loadpatch.bench); the pipeline has its own child here.
+
+    python benchmarks/bench_diffusers.py --size small --repeats 1   # a quick check
+    python benchmarks/bench_diffusers.py                            # the real one (a few GB of files)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import struct
+import subprocess
+import sys
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from ms_loadpatch import bench  # noqa: E402
+
+# "full": UNet2DConditionModel 356M params (SD-like, narrower), Flux-style
+# 283M, pipeline = that UNet + an SD VAE (84M) + a CLIP-L-sized text encoder (123M).
+SIZES = {
+    "full": {
+        "unet": dict(
+            sample_size=64, block_out_channels=[256, 512, 768, 768], layers_per_block=2, cross_attention_dim=768,
+            attention_head_dim=8, down_block_types=["CrossAttnDownBlock2D"] * 3 + ["DownBlock2D"],
+            up_block_types=["UpBlock2D"] + ["CrossAttnUpBlock2D"] * 3,
+        ),
+        "flux": dict(
+            patch_size=1, in_channels=64, num_layers=4, num_single_layers=8, attention_head_dim=128,
+            num_attention_heads=8, joint_attention_dim=1024, pooled_projection_dim=768, axes_dims_rope=[16, 56, 56],
+        ),
+        "vae": dict(
+            block_out_channels=[128, 256, 512, 512], in_channels=3, out_channels=3, latent_channels=4,
+            down_block_types=["DownEncoderBlock2D"] * 4, up_block_types=["UpDecoderBlock2D"] * 4, layers_per_block=2,
+            sample_size=512,
+        ),
+        "text_encoder": dict(
+            vocab_size=49408, hidden_size=768, intermediate_size=3072, num_attention_heads=12, num_hidden_layers=12,
+            max_position_embeddings=77, bos_token_id=0, eos_token_id=1, pad_token_id=1, projection_dim=768,
+        ),
+        "shard": "200MB",
+    },
+    "small": {
+        "unet": dict(
+            sample_size=16, block_out_channels=[32, 64], layers_per_block=1, cross_attention_dim=32,
+            attention_head_dim=4, norm_num_groups=8, down_block_types=["CrossAttnDownBlock2D", "DownBlock2D"],
+            up_block_types=["UpBlock2D", "CrossAttnUpBlock2D"],
+        ),
+        "flux": dict(
+            patch_size=1, in_channels=16, num_layers=1, num_single_layers=2, attention_head_dim=32,
+            num_attention_heads=2, joint_attention_dim=64, pooled_projection_dim=32, axes_dims_rope=[8, 12, 12],
+        ),
+        "vae": dict(
+            block_out_channels=[32, 64], in_channels=3, out_channels=3, latent_channels=4, norm_num_groups=8,
+            down_block_types=["DownEncoderBlock2D"] * 2, up_block_types=["UpDecoderBlock2D"] * 2, sample_size=32,
+        ),
+        "text_encoder": dict(
+            vocab_size=64, hidden_size=32, intermediate_size=64, num_attention_heads=2, num_hidden_layers=2,
+            max_position_embeddings=16, bos_token_id=0, eos_token_id=1, pad_token_id=1, projection_dim=32,
+        ),
+        "shard": "200KB",
+    },
+}
+CASES = ("unet-fp32-as-bf16", "unet-bf16-as-bf16", "unet-bf16-sharded-as-bf16", "flux-bf16-as-bf16", "pipeline-bf16-as-bf16")
+
+
+# -- checkpoints
+
+
+def _to_bf16_file(src, dst):
+    """Rewrite a safetensors file with every F32 tensor rounded to BF16
+    (round to nearest even, as a cast does); pure numpy, no mindspore here."""
+    with open(src, "rb") as f:
+        (header_len,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(header_len))
+        data = np.frombuffer(f.read(), dtype=np.uint8)
+    metadata = header.pop("__metadata__", None)
+    out_header, chunks, offset = {}, [], 0
+    for name, info in sorted(header.items(), key=lambda kv: kv[1]["data_offsets"][0]):
+        begin, end = info["data_offsets"]
+        raw = data[begin:end]
+        dtype = info["dtype"]
+        if dtype == "F32":
+            bits = raw.view(np.uint32).astype(np.uint64)
+            raw = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(np.uint16).view(np.uint8)
+            dtype = "BF16"
+        out_header[name] = {"dtype": dtype, "shape": info["shape"], "data_offsets": [offset, offset + raw.size]}
+        chunks.append(raw)
+        offset += raw.size
+    if metadata is not None:
+        out_header["__metadata__"] = metadata
+    encoded = json.dumps(out_header, separators=(",", ":")).encode()
+    encoded += b" " * (-len(encoded) % 8)
+    with open(dst, "wb") as f:
+        f.write(struct.pack("<Q", len(encoded)))
+        f.write(encoded)
+        for chunk in chunks:
+            f.write(chunk.tobytes())
+
+
+def bf16_copy(src_dir):
+    """A copy of a generated fp32 checkpoint directory with bf16 weights (cached)."""
+    dst_dir = src_dir.rstrip("/") + "-bf16"
+    if os.path.isfile(os.path.join(dst_dir, ".complete")):
+        return dst_dir
+    os.makedirs(dst_dir, exist_ok=True)
+    for name in os.listdir(src_dir):
+        src, dst = os.path.join(src_dir, name), os.path.join(dst_dir, name)
+        if name.endswith(".safetensors"):
+            _to_bf16_file(src, dst)
+        elif name.endswith(".index.json"):
+            with open(src) as f:
+                index = json.load(f)
+            index.setdefault("metadata", {})["total_size"] = index.get("metadata", {}).get("total_size", 0) // 2
+            with open(dst, "w") as f:
+                json.dump(index, f, indent=2)
+        elif name.endswith(".json"):
+            with open(src) as f, open(dst, "w") as g:
+                g.write(f.read())
+    open(os.path.join(dst_dir, ".complete"), "w").close()
+    return dst_dir
+
+
+def generate(size, progress):
+    config = SIZES[size]
+
+    def made(name, class_name, cfg, shard=None, library="diffusers"):
+        return bench.cached_checkpoint(f"df-{size}-{name}", class_name, cfg, shard, library=library, progress=progress)
+
+    unet = made("unet", "UNet2DConditionModel", config["unet"])
+    unet_sharded = made("unet-sharded", "UNet2DConditionModel", config["unet"], config["shard"])
+    flux = made("flux", "FluxTransformer2DModel", config["flux"])
+    paths = {
+        "unet-fp32": unet,
+        "unet-bf16": bf16_copy(unet),
+        "unet-bf16-sharded": bf16_copy(unet_sharded),
+        "flux-bf16": bf16_copy(flux),
+    }
+    components = {
+        "unet": paths["unet-bf16"],
+        "vae": bf16_copy(made("vae", "AutoencoderKL", config["vae"])),
+        "text_encoder": bf16_copy(made("text-encoder", "CLIPTextModel", config["text_encoder"], library="transformers")),
+    }
+    paths["pipeline-bf16"] = assemble_pipeline(size, components)
+    return paths
+
+
+_ASSEMBLE = r"""
+import json, os, sys
+from transformers import CLIPTokenizer
+from mindone.diffusers import PNDMScheduler
+out = sys.argv[1]
+vocab = {"<|startoftext|>": 0, "<|endoftext|>": 1}
+for suffix in ("", "</w>"):
+    for letter in "abcdefghijklmnopqrstuvwxyz":
+        vocab[letter + suffix] = len(vocab)
+tmp = os.path.join(out, "tokenizer")
+os.makedirs(tmp, exist_ok=True)
+with open(os.path.join(tmp, "vocab.json"), "w") as f:
+    json.dump(vocab, f)
+with open(os.path.join(tmp, "merges.txt"), "w") as f:
+    f.write("#version: 0.2\n")
+CLIPTokenizer(os.path.join(tmp, "vocab.json"), os.path.join(tmp, "merges.txt"), model_max_length=77).save_pretrained(tmp)
+PNDMScheduler(skip_prk_steps=True, steps_offset=1).save_pretrained(os.path.join(out, "scheduler"))
+"""
+
+
+def assemble_pipeline(size, components):
+    """A StableDiffusionPipeline directory: the generated components (symlinked),
+    a tokenizer built offline from a tiny vocabulary, a scheduler."""
+    out = os.path.join(bench.cache_dir(), f"df-{size}-pipeline-bf16")
+    if os.path.isfile(os.path.join(out, ".complete")):
+        return out
+    os.makedirs(out, exist_ok=True)
+    for name, path in components.items():
+        link = os.path.join(out, name)
+        if os.path.lexists(link):
+            os.remove(link)
+        os.symlink(path, link)
+    subprocess.run([sys.executable, "-c", _ASSEMBLE, out], check=True, env=bench.child_env("unpatched"),
+                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    index = {
+        "_class_name": "StableDiffusionPipeline", "_diffusers_version": "0.35.1",
+        "feature_extractor": [None, None], "image_encoder": [None, None], "requires_safety_checker": False,
+        "safety_checker": [None, None], "scheduler": ["diffusers", "PNDMScheduler"],
+        "text_encoder": ["transformers", "CLIPTextModel"], "tokenizer": ["transformers", "CLIPTokenizer"],
+        "unet": ["diffusers", "UNet2DConditionModel"], "vae": ["diffusers", "AutoencoderKL"],
+    }
+    with open(os.path.join(out, "model_index.json"), "w") as f:
+        json.dump(index, f, indent=2)
+    open(os.path.join(out, ".complete"), "w").close()
+    return out
+
+
+# -- the pipeline child
+
+
+_PIPELINE_CHILD = r"""
+import json, sys, time
+import ms_loadpatch
+from ms_loadpatch import activation
+if activation.switched_on():
+    assert ms_loadpatch.enable(), ms_loadpatch.status()["refusal"]
+else:
+    ms_loadpatch.disable()
+import mindspore as ms
+from mindspore import nn
+from mindone.diffusers import DiffusionPipeline
+from ms_loadpatch._child import _max_rss_bytes, touch_all
+from ms_loadpatch.strategy import context
+from ms_loadpatch.testing import cpu_kernel_fallbacks
+reports = []
+emit = context._emit
+context._emit = lambda report: (reports.append(report.as_dict()), emit(report))
+path, dtype = sys.argv[1], getattr(ms, sys.argv[2])
+rss_before = _max_rss_bytes()
+with cpu_kernel_fallbacks():
+    start = time.perf_counter()
+    pipe = DiffusionPipeline.from_pretrained(path, mindspore_dtype=dtype)
+    for component in pipe.components.values():
+        if isinstance(component, nn.Cell):
+            touch_all(component)
+    seconds = time.perf_counter() - start
+print("RESULT " + json.dumps({"seconds": seconds, "peak_rss_bytes": _max_rss_bytes(), "rss_before_bytes": rss_before,
+                              "plugin_enabled": ms_loadpatch.is_enabled(), "reports": reports}))
+"""
+
+
+def measure_pipeline(path, mode, dtype="bfloat16"):
+    proc = subprocess.run([sys.executable, "-c", _PIPELINE_CHILD, path, dtype], env=bench.child_env(mode),
+                          capture_output=True, text=True)
+    for line in proc.stdout.splitlines():
+        if line.startswith("RESULT "):
+            return json.loads(line[len("RESULT "):])
+    raise bench.ChildError(f"pipeline load ({mode}) failed, exit {proc.returncode}", stderr=proc.stderr)
+
+
+def bench_pipeline(path, repeats, progress):
+    models = ("unet", "vae", "text_encoder")
+    floors = {"read_seconds": 0.0, "construct_seconds": 0.0, "read_bytes": 0}
+    with bench._step(progress, "pipeline floors: read every byte, construct without init (per component)"):
+        for name in models:
+            floor = bench.measure_floors(bench.LoadSpec.resolve(path, subfolder=name))
+            for key in floors:
+                floors[key] += floor[key]
+    runs = {"unpatched": [], "patched": []}
+    for i in range(repeats):
+        for mode in runs:
+            with bench._step(progress, f"pipeline {mode} load {i + 1}/{repeats}"):
+                runs[mode].append(measure_pipeline(path, mode))
+    result = {"floors": floors, "repeats": repeats}
+    for mode, mode_runs in runs.items():
+        result[mode] = {
+            "seconds": [r["seconds"] for r in mode_runs],
+            "median_seconds": statistics.median(r["seconds"] for r in mode_runs),
+            "peak_rss_bytes": [r["peak_rss_bytes"] for r in mode_runs],
+            "rss_before_bytes": [r["rss_before_bytes"] for r in mode_runs],
+        }
+    fast = runs["patched"][0]["reports"]
+    result["patched"]["reports"] = [(r["library"], r["model_class"], r["technique"]) for r in fast]
+    result["ratio"] = result["unpatched"]["median_seconds"] / result["patched"]["median_seconds"]
+    return result
+
+
+# -- summary
+
+
+def _row(name, result):
+    unp, pat, floors = result["unpatched"], result["patched"], result.get("floors") or {}
+    unp_rss, pat_rss = max(unp["peak_rss_bytes"]), max(pat["peak_rss_bytes"])
+    base = min(unp["rss_before_bytes"] + pat["rss_before_bytes"])  # interpreter + imports
+    floor = floors.get("read_seconds", 0.0) + floors.get("construct_seconds", 0.0)
+    return {
+        "case": name,
+        "unpatched_s": unp["median_seconds"], "patched_s": pat["median_seconds"],
+        "ratio": unp["median_seconds"] / pat["median_seconds"],
+        "unpatched_peak_mb": unp_rss / 2**20, "patched_peak_mb": pat_rss / 2**20,
+        "rss_saving": 1 - (pat_rss - base) / max(unp_rss - base, 1),
+        "floor_read_s": floors.get("read_seconds"), "floor_construct_s": floors.get("construct_seconds"),
+        "vs_floor": pat["median_seconds"] / floor if floor else None,
+    }
+
+
+def format_summary(rows) -> str:
+    head = (f"{'case':28}{'unpatched':>11}{'patched':>10}{'ratio':>8}{'peak RSS unp':>14}{'peak RSS pat':>14}"
+            f"{'load RSS saved':>16}{'floor read':>12}{'floor build':>13}{'pat/floor':>11}")
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        lines.append(
+            f"{r['case']:28}{r['unpatched_s']:>10.3f}s{r['patched_s']:>9.3f}s{r['ratio']:>7.2f}x"
+            f"{r['unpatched_peak_mb']:>11,.0f} MB{r['patched_peak_mb']:>11,.0f} MB{r['rss_saving']:>15.0%}"
+            f"{r['floor_read_s']:>11.3f}s{r['floor_construct_s']:>12.3f}s{r['vs_floor']:>10.2f}x"
+        )
+    lines.append("")
+    lines.append("load RSS saved: 1 - (patched peak - base) / (unpatched peak - base), base = RSS after imports")
+    lines.append("pat/floor: patched time / (read floor + construct floor); reading overlaps construction, so < 1 is possible")
+    lines.append("targets (issue 4): bf16-as-bf16 >= 2x and >= 30% less RSS; never slower; within 1.5x of the floor")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--size", choices=SIZES, default="full")
+    parser.add_argument("--repeats", type=int, default=3, help="fresh processes per side and case (median)")
+    parser.add_argument("--cases", default=",".join(CASES), help=f"comma-separated subset of {', '.join(CASES)}")
+    parser.add_argument("--json", metavar="FILE", help="also write every result as JSON")
+    args = parser.parse_args(argv)
+    cases = [c for c in args.cases.split(",") if c]
+    unknown = set(cases) - set(CASES)
+    if unknown:
+        parser.error(f"unknown case(s): {', '.join(sorted(unknown))}")
+    progress = bench.Progress()
+    paths = generate(args.size, progress)
+    rows, results = [], {}
+    for case in cases:
+        source = case.rsplit("-as-", 1)[0]
+        if case.startswith("pipeline"):
+            result = bench_pipeline(paths[source], args.repeats, progress)
+            print(f"\n{case}: components loaded through the fast path: {result['patched']['reports']}")
+        else:
+            spec = bench.LoadSpec.resolve(paths[source], dtype="bfloat16")
+            result = bench.run_bench(spec, repeats=args.repeats, progress=progress)
+            print()
+            print(bench.format_table(result, f"{case}: {spec.class_name} ({args.size})"))
+        results[case] = result
+        rows.append(_row(case, result))
+    print()
+    print(format_summary(rows))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"size": args.size, "results": results, "summary": rows}, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
