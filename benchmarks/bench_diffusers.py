@@ -17,14 +17,14 @@ import argparse
 import json
 import os
 import statistics
-import struct
 import subprocess
 import sys
 
-import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from ms_loadpatch import bench  # noqa: E402
+
+from common import bf16_copy, format_summary, summary_row  # noqa: E402
 
 # "full": UNet2DConditionModel 356M params (SD-like, narrower), Flux-style
 # 283M, pipeline = that UNet + an SD VAE (84M) + a CLIP-L-sized text encoder (123M).
@@ -75,60 +75,6 @@ CASES = ("unet-fp32-as-bf16", "unet-bf16-as-bf16", "unet-bf16-sharded-as-bf16", 
 
 
 # -- checkpoints
-
-
-def _to_bf16_file(src, dst):
-    """Rewrite a safetensors file with every F32 tensor rounded to BF16
-    (round to nearest even, as a cast does); pure numpy, no mindspore here."""
-    with open(src, "rb") as f:
-        (header_len,) = struct.unpack("<Q", f.read(8))
-        header = json.loads(f.read(header_len))
-        data = np.frombuffer(f.read(), dtype=np.uint8)
-    metadata = header.pop("__metadata__", None)
-    out_header, chunks, offset = {}, [], 0
-    for name, info in sorted(header.items(), key=lambda kv: kv[1]["data_offsets"][0]):
-        begin, end = info["data_offsets"]
-        raw = data[begin:end]
-        dtype = info["dtype"]
-        if dtype == "F32":
-            bits = raw.view(np.uint32).astype(np.uint64)
-            raw = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(np.uint16).view(np.uint8)
-            dtype = "BF16"
-        out_header[name] = {"dtype": dtype, "shape": info["shape"], "data_offsets": [offset, offset + raw.size]}
-        chunks.append(raw)
-        offset += raw.size
-    if metadata is not None:
-        out_header["__metadata__"] = metadata
-    encoded = json.dumps(out_header, separators=(",", ":")).encode()
-    encoded += b" " * (-len(encoded) % 8)
-    with open(dst, "wb") as f:
-        f.write(struct.pack("<Q", len(encoded)))
-        f.write(encoded)
-        for chunk in chunks:
-            f.write(chunk.tobytes())
-
-
-def bf16_copy(src_dir):
-    """A copy of a generated fp32 checkpoint directory with bf16 weights (cached)."""
-    dst_dir = src_dir.rstrip("/") + "-bf16"
-    if os.path.isfile(os.path.join(dst_dir, ".complete")):
-        return dst_dir
-    os.makedirs(dst_dir, exist_ok=True)
-    for name in os.listdir(src_dir):
-        src, dst = os.path.join(src_dir, name), os.path.join(dst_dir, name)
-        if name.endswith(".safetensors"):
-            _to_bf16_file(src, dst)
-        elif name.endswith(".index.json"):
-            with open(src) as f:
-                index = json.load(f)
-            index.setdefault("metadata", {})["total_size"] = index.get("metadata", {}).get("total_size", 0) // 2
-            with open(dst, "w") as f:
-                json.dump(index, f, indent=2)
-        elif name.endswith(".json"):
-            with open(src) as f, open(dst, "w") as g:
-                g.write(f.read())
-    open(os.path.join(dst_dir, ".complete"), "w").close()
-    return dst_dir
 
 
 def generate(size, progress):
@@ -272,42 +218,6 @@ def bench_pipeline(path, repeats, progress):
     return result
 
 
-# -- summary
-
-
-def _row(name, result):
-    unp, pat, floors = result["unpatched"], result["patched"], result.get("floors") or {}
-    unp_rss, pat_rss = max(unp["peak_rss_bytes"]), max(pat["peak_rss_bytes"])
-    base = min(unp["rss_before_bytes"] + pat["rss_before_bytes"])  # interpreter + imports
-    floor = floors.get("read_seconds", 0.0) + floors.get("construct_seconds", 0.0)
-    return {
-        "case": name,
-        "unpatched_s": unp["median_seconds"], "patched_s": pat["median_seconds"],
-        "ratio": unp["median_seconds"] / pat["median_seconds"],
-        "unpatched_peak_mb": unp_rss / 2**20, "patched_peak_mb": pat_rss / 2**20,
-        "rss_saving": 1 - (pat_rss - base) / max(unp_rss - base, 1),
-        "floor_read_s": floors.get("read_seconds"), "floor_construct_s": floors.get("construct_seconds"),
-        "vs_floor": pat["median_seconds"] / floor if floor else None,
-    }
-
-
-def format_summary(rows) -> str:
-    head = (f"{'case':28}{'unpatched':>11}{'patched':>10}{'ratio':>8}{'peak RSS unp':>14}{'peak RSS pat':>14}"
-            f"{'load RSS saved':>16}{'floor read':>12}{'floor build':>13}{'pat/floor':>11}")
-    lines = [head, "-" * len(head)]
-    for r in rows:
-        lines.append(
-            f"{r['case']:28}{r['unpatched_s']:>10.3f}s{r['patched_s']:>9.3f}s{r['ratio']:>7.2f}x"
-            f"{r['unpatched_peak_mb']:>11,.0f} MB{r['patched_peak_mb']:>11,.0f} MB{r['rss_saving']:>15.0%}"
-            f"{r['floor_read_s']:>11.3f}s{r['floor_construct_s']:>12.3f}s{r['vs_floor']:>10.2f}x"
-        )
-    lines.append("")
-    lines.append("load RSS saved: 1 - (patched peak - base) / (unpatched peak - base), base = RSS after imports")
-    lines.append("pat/floor: patched time / (read floor + construct floor); reading overlaps construction, so < 1 is possible")
-    lines.append("targets (issue 4): bf16-as-bf16 >= 2x and >= 30% less RSS; never slower; within 1.5x of the floor")
-    return "\n".join(lines)
-
-
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--size", choices=SIZES, default="full")
@@ -333,9 +243,9 @@ def main(argv=None) -> int:
             print()
             print(bench.format_table(result, f"{case}: {spec.class_name} ({args.size})"))
         results[case] = result
-        rows.append(_row(case, result))
+        rows.append(summary_row(case, result))
     print()
-    print(format_summary(rows))
+    print(format_summary(rows, "bf16-as-bf16 >= 2x and >= 30% less RSS; never slower; within 1.5x of the floor"))
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"size": args.size, "results": results, "summary": rows}, f, indent=2)

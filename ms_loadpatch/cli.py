@@ -53,6 +53,26 @@ def _cmd_status(args) -> int:
     return 0
 
 
+def _cmd_verify(args) -> int:
+    from . import verify
+
+    return verify.main(args)
+
+
+def _cmd_bench(args) -> int:
+    from . import bench
+
+    return bench.main(args)
+
+
+def _add_load_options(parser, dtypes) -> None:
+    parser.add_argument("--class", dest="class_name", metavar="NAME",
+                        help="model class: a mindone.transformers / mindone.diffusers name, or module:Class "
+                        "(default: from config.json, `architectures[0]` or `_class_name`)")
+    parser.add_argument("--dtype", choices=dtypes, help="dtype passed to from_pretrained")
+    parser.add_argument("--subfolder", default="", metavar="S", help="model inside PATH, e.g. a pipeline's unet")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="ms-loadpatch", description="Fast, bit-identical mindone model loading.")
     sub = parser.add_subparsers(dest="cmd", required=True)
@@ -70,6 +90,34 @@ def build_parser() -> argparse.ArgumentParser:
         help="import every target module first, so pending targets show as applied",
     )
     status.set_defaults(func=_cmd_status, enable=True)
+
+    dtypes = ("float16", "bfloat16", "float32")  # bench.DTYPES; not imported here to keep start-up light
+    verify = sub.add_parser(
+        "verify",
+        help="load PATH unpatched and patched (fresh processes) and compare every tensor bit for bit",
+        description="Exit codes: 0 identical, 1 different (or the patched load failed), 2 usage error, "
+        "3 the unpatched load failed (nothing to compare).",
+    )
+    verify.add_argument("path", metavar="PATH", help="local checkpoint directory")
+    _add_load_options(verify, dtypes)
+    verify.set_defaults(func=_cmd_verify)
+
+    bench = sub.add_parser(
+        "bench",
+        help="time unpatched vs patched from_pretrained (default: a built-in generated checkpoint)",
+        description="Each load runs in a fresh process; the timed region ends after every weight was touched.",
+    )
+    bench.add_argument("path", metavar="PATH", nargs="?", help="checkpoint directory (default: a built-in one, "
+                       "generated once into $MS_LOADPATCH_CACHE or ~/.cache/ms_loadpatch)")
+    _add_load_options(bench, dtypes)
+    bench.add_argument("--json", metavar="FILE", help="also write the results as JSON")
+    # 1 by default: each load is a fresh process paying ~7 s of imports, and
+    # the no-argument bench must stay well under a minute on 2 cores
+    bench.add_argument("--repeats", type=int, default=1, metavar="N",
+                       help="loads per side, each in a fresh process; the median is shown (default 1)")
+    bench.add_argument("--size", choices=("tiny", "default"), default="default",
+                       help="size of the built-in checkpoint (when no PATH)")
+    bench.set_defaults(func=_cmd_bench)
     return parser
 
 

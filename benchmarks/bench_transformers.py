@@ -1,0 +1,98 @@
+"""Benchmark: unpatched vs patched mindone.transformers from_pretrained.
+
+Generates its checkpoints (random weights, cached in $MS_LOADPATCH_CACHE or
+~/.cache/ms_loadpatch), then per case: each load in a fresh process, median
+over --repeats, peak RSS, and the floors measured in the same run (reading
+every checkpoint byte; constructing under no_init_parameters; one cast pass
+where the dtype changes). Every weight is touched before the clock stops.
+
+    python benchmarks/bench_transformers.py --size small --repeats 1   # a quick check
+    python benchmarks/bench_transformers.py                            # the real one (~3 GB of files)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from ms_loadpatch import bench  # noqa: E402
+
+from common import bf16_copy, format_summary, summary_row  # noqa: E402
+
+# "full": Qwen2-0.5B's real shape (494M parameters, 2 GB in fp32, 4 shards) and
+# a Mixtral-style MoE with 18.8k tensors (48 layers x 128 experts x 3 + attention).
+SIZES = {
+    "full": {
+        "qwen2": dict(vocab_size=151936, hidden_size=896, num_hidden_layers=24, num_attention_heads=14,
+                      num_key_value_heads=2, intermediate_size=4864, tie_word_embeddings=True,
+                      max_position_embeddings=32768),
+        "moe": dict(vocab_size=1024, hidden_size=64, num_hidden_layers=48, num_attention_heads=4,
+                    num_key_value_heads=2, intermediate_size=32, num_local_experts=128, num_experts_per_tok=2),
+        "qwen2_shard": "600MB",
+        "moe_shard": "50MB",
+    },
+    "small": {
+        "qwen2": dict(vocab_size=4096, hidden_size=128, num_hidden_layers=4, num_attention_heads=4,
+                      num_key_value_heads=2, intermediate_size=256, tie_word_embeddings=True),
+        "moe": dict(vocab_size=256, hidden_size=32, num_hidden_layers=4, num_attention_heads=4,
+                    num_key_value_heads=2, intermediate_size=16, num_local_experts=16, num_experts_per_tok=2),
+        "qwen2_shard": "1MB",
+        "moe_shard": "200KB",
+    },
+}
+# case -> (checkpoint, dtype passed to from_pretrained)
+CASES = {
+    "qwen2-fp32-as-fp32": ("qwen2-fp32", "float32"),
+    "qwen2-fp32-as-bf16": ("qwen2-fp32", "bfloat16"),
+    "qwen2-bf16-as-bf16": ("qwen2-bf16", "bfloat16"),
+    "moe-fp32-as-fp32": ("moe-fp32", "float32"),
+    "moe-fp32-as-bf16": ("moe-fp32", "bfloat16"),
+}
+TARGETS = ("Qwen2-0.5B fp32 >= 20x faster; never slower; within 1.5x of (construct + read + one cast pass); "
+           "peak RSS no higher than unpatched")
+
+
+def generate(size, progress):
+    config = SIZES[size]
+    qwen2 = bench.cached_checkpoint(f"tf-{size}-qwen2", "Qwen2ForCausalLM", config["qwen2"], config["qwen2_shard"],
+                                    progress=progress)
+    moe = bench.cached_checkpoint(f"tf-{size}-moe", "MixtralForCausalLM", config["moe"], config["moe_shard"],
+                                  progress=progress)
+    return {"qwen2-fp32": qwen2, "qwen2-bf16": bf16_copy(qwen2), "moe-fp32": moe}
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--size", choices=SIZES, default="full")
+    parser.add_argument("--repeats", type=int, default=3, help="fresh processes per side and case (median)")
+    parser.add_argument("--cases", default=",".join(CASES), help=f"comma-separated subset of {', '.join(CASES)}")
+    parser.add_argument("--json", metavar="FILE", help="also write every result as JSON")
+    args = parser.parse_args(argv)
+    cases = [c for c in args.cases.split(",") if c]
+    unknown = set(cases) - set(CASES)
+    if unknown:
+        parser.error(f"unknown case(s): {', '.join(sorted(unknown))}")
+    progress = bench.Progress()
+    paths = generate(args.size, progress)
+    rows, results = [], {}
+    for case in cases:
+        source, dtype = CASES[case]
+        spec = bench.LoadSpec.resolve(paths[source], dtype=dtype)
+        result = bench.run_bench(spec, repeats=args.repeats, progress=progress)
+        print()
+        print(bench.format_table(result, f"{case}: {spec.class_name} ({args.size})"))
+        results[case] = result
+        rows.append(summary_row(case, result))
+    print()
+    print(format_summary(rows, TARGETS))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"size": args.size, "results": results, "summary": rows}, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

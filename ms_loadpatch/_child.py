@@ -1,0 +1,220 @@
+"""The child side of `bench` and `verify`: one task per fresh interpreter.
+
+Run by bench.run_child as `python -c "...main()" TASK.json`; writes its
+result as JSON to task["result"]. MS_LOADPATCH in the environment decides
+whether `import ms_loadpatch` (this package) enabled the plugin.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import sys
+import time
+import traceback
+
+import numpy as np
+
+import ms_loadpatch
+
+from .bench import LoadSpec, UsageError, _version
+
+
+def _max_rss_bytes() -> int:
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return rss if sys.platform == "darwin" else rss * 1024  # Linux reports KiB
+
+
+def _versions() -> dict:
+    return {name: _version(name) for name in ("mindspore", "mindone", "ms-loadpatch")}
+
+
+def import_model_class(spec: LoadSpec):
+    """(class, "transformers" | "diffusers") for spec.class_name."""
+    import importlib
+
+    name = spec.class_name
+    if ":" in name:
+        module_name, _, attribute = name.partition(":")
+        try:
+            cls = getattr(importlib.import_module(module_name), attribute)
+        except (ImportError, AttributeError) as exc:
+            raise UsageError(f"cannot import --class {name}: {exc}") from exc
+    else:
+        library = spec.library or "transformers"
+        cls = getattr(importlib.import_module(f"mindone.{library}"), name, None)
+        if cls is None:
+            raise UsageError(f"mindone.{library} has no class {name!r}; pass --class (a name or module:Class)")
+    for klass in getattr(cls, "__mro__", ()):
+        if klass.__name__ == "PreTrainedModel" and klass.__module__ == "mindone.transformers.modeling_utils":
+            return cls, "transformers"
+        if klass.__name__ == "ModelMixin" and klass.__module__ == "mindone.diffusers.models.modeling_utils":
+            return cls, "diffusers"
+    raise UsageError(f"{name} is not a mindone.transformers or mindone.diffusers model class")
+
+
+def _on_cpu() -> bool:
+    import mindspore as ms
+
+    return ms.get_context("device_target") == "CPU"
+
+
+def _fallbacks(on_cpu: bool):
+    import contextlib
+
+    from .testing import cpu_kernel_fallbacks
+
+    return cpu_kernel_fallbacks() if on_cpu else contextlib.nullcontext()
+
+
+def touch_all(model) -> int:
+    """Read one byte of every page of every parameter and buffer: lazy or
+    mmap-backed weights are really in memory afterwards."""
+    total = 0
+    tensors = [p for p in model.get_parameters()]
+    named_buffers = getattr(model, "named_buffers", None)
+    if named_buffers is not None:
+        tensors += [b for _, b in named_buffers()]
+    for tensor in tensors:
+        flat = np.ascontiguousarray(tensor.asnumpy()).reshape(-1).view(np.uint8)
+        total += int(flat[::4096].sum())
+    return total
+
+
+def _task_load(task: dict) -> dict:
+    spec = LoadSpec(**task["spec"])
+    refusal = None
+    if ms_loadpatch.activation.switched_on():  # the patched child: must not silently run unpatched
+        if not ms_loadpatch.enable():
+            refusal = ms_loadpatch.status()["refusal"]
+    else:
+        ms_loadpatch.disable()
+    import mindspore as ms
+
+    cls, library = import_model_class(spec)
+    kwargs = {}
+    if spec.subfolder:
+        kwargs["subfolder"] = spec.subfolder
+    if spec.dtype:
+        kwargs["dtype" if library == "transformers" else "mindspore_dtype"] = getattr(ms, spec.dtype)
+    on_cpu = _on_cpu()
+    from .strategy import context
+
+    context._last_reports.clear()
+    rss_before = _max_rss_bytes()
+    with _fallbacks(on_cpu):
+        start = time.perf_counter()
+        model = cls.from_pretrained(spec.path, **kwargs)
+        touch_all(model)
+        seconds = time.perf_counter() - start
+    peak = _max_rss_bytes()
+    report = context.last_report()
+    result = {
+        "seconds": seconds,
+        "rss_before_bytes": rss_before,
+        "peak_rss_bytes": peak,
+        "class_name": type(model).__name__,
+        "library": library,
+        "device": ms.get_context("device_target"),
+        "cpu_kernel_fallbacks": on_cpu,
+        "plugin_enabled": ms_loadpatch.is_enabled(),
+        "plugin_refusal": refusal,
+        "report": report.as_dict() if report is not None else None,
+        "versions": _versions(),
+    }
+    named_buffers = getattr(model, "named_buffers", None)
+    result["tensors"] = len(list(model.parameters_and_names(expand=True))) + (
+        len(list(named_buffers())) if named_buffers is not None else 0)
+    if task.get("snapshot"):
+        from .testing import snapshot
+        from .verify import write_snapshot
+
+        snap = snapshot(model)
+        del model  # the snapshot holds copies; free the model before writing
+        write_snapshot(snap, task["snapshot"])
+    return result
+
+
+def _task_floors(task: dict) -> dict:
+    spec = LoadSpec(**task["spec"])
+    ms_loadpatch.disable()
+    files = spec.weight_files()
+    start = time.perf_counter()
+    total = 0
+    for path in files:  # into fresh memory, as a loader does: page faults included
+        size = os.path.getsize(path)
+        buffer = np.empty(size, dtype=np.uint8)
+        with open(path, "rb", buffering=0) as f:
+            view, got = memoryview(buffer), 0
+            while got < size:
+                n = f.readinto(view[got:])
+                if not n:
+                    break
+                got += n
+        total += got
+        del buffer
+    read_seconds = time.perf_counter() - start
+
+    from mindspore.nn.utils import no_init_parameters
+
+    cls, library = import_model_class(spec)
+    on_cpu = _on_cpu()
+    with _fallbacks(on_cpu):
+        if library == "transformers":
+            import mindone.transformers.modeling_utils as modeling_utils
+
+            config = cls.config_class.from_pretrained(spec.model_dir)
+            saved, modeling_utils._init_weights = modeling_utils._init_weights, False  # no init pass
+            try:
+                start = time.perf_counter()
+                with no_init_parameters():
+                    cls(config)
+                construct_seconds = time.perf_counter() - start
+            finally:
+                modeling_utils._init_weights = saved
+        else:
+            config = cls.load_config(spec.model_dir)
+            start = time.perf_counter()
+            with no_init_parameters():
+                cls.from_config(config)
+            construct_seconds = time.perf_counter() - start
+    return {"read_seconds": read_seconds, "read_bytes": total, "files": len(files),
+            "construct_seconds": construct_seconds}
+
+
+def _task_generate(task: dict) -> dict:
+    ms_loadpatch.disable()
+    import mindspore as ms
+
+    cls, library = import_model_class(LoadSpec(path="", class_name=task["class_name"], library=task["library"]))
+    ms.set_seed(task.get("seed", 0))
+    np.random.seed(task.get("seed", 0))
+    save_kwargs = {"max_shard_size": task["max_shard_size"]} if task.get("max_shard_size") else {}
+    with _fallbacks(_on_cpu()):
+        if library == "transformers":
+            model = cls(cls.config_class(**task["config"]))
+        else:
+            model = cls.from_config(task["config"])
+        model.save_pretrained(task["out"], **save_kwargs)
+    return {"out": task["out"], "library": library}
+
+
+TASKS = {"load": _task_load, "floors": _task_floors, "generate": _task_generate}
+
+
+def main() -> None:
+    with open(sys.argv[1]) as f:
+        task = json.load(f)
+    try:
+        result = TASKS[task["task"]](task)
+        code = 0
+    except UsageError as exc:
+        result, code = {"error": str(exc), "usage": True}, 2
+    except BaseException as exc:  # reported to the parent, which decides
+        result, code = {"error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()}, 1
+    with open(task["result"], "w") as f:
+        json.dump(result, f)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)  # skip interpreter teardown: mindspore's can take seconds

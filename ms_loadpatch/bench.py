@@ -1,0 +1,481 @@
+"""Benchmark harness: unpatched vs patched `from_pretrained`, each load in a
+fresh process; also the engine under `ms-loadpatch verify`.
+
+Reusable from scripts (benchmarks/*.py)::
+
+    from ms_loadpatch import bench
+
+    path = bench.cached_checkpoint("my-moe", "MixtralForCausalLM", {...config...})
+    spec = bench.LoadSpec.resolve(path)              # class inferred from config.json
+    results = bench.run_bench(spec, repeats=3)
+    print(bench.format_table(results))
+
+This module imports no mindspore: every mindspore / mindone import happens in
+the child processes (`ms_loadpatch._child`), so each load starts cold and the
+parent's memory does not count in the children's peak RSS.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import importlib.metadata
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+DTYPES = ("float16", "bfloat16", "float32")
+CACHE_ENV_VAR = "MS_LOADPATCH_CACHE"
+FALLBACK_NOTE = ("; testing.cpu_kernel_fallbacks() applied to both loads "
+                 "(kernels missing from mindspore's CPU wheel routed to equivalent ops)")
+_PACKAGE_PARENT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# Built-in checkpoints (Qwen2ForCausalLM, fp32, random weights, generated
+# locally). "default" is sized so the whole bench takes well under a minute on
+# 2 cores, most of it process start-up, while the gap shows; it is sharded
+# like real checkpoints. "tiny" is for tests.
+SIZES: dict[str, dict] = {
+    "tiny": {
+        "class_name": "Qwen2ForCausalLM",
+        "config": {
+            "vocab_size": 128, "hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4,
+            "num_key_value_heads": 2, "intermediate_size": 64,
+        },
+        "max_shard_size": None,
+    },
+    "default": {
+        "class_name": "Qwen2ForCausalLM",
+        "config": {
+            "vocab_size": 16384, "hidden_size": 512, "num_hidden_layers": 12, "num_attention_heads": 8,
+            "num_key_value_heads": 2, "intermediate_size": 1536,
+        },
+        "max_shard_size": "100MB",
+    },
+}
+
+
+class UsageError(Exception):
+    """Bad input from the user (path, class, option): the commands exit 2."""
+
+
+class ChildError(RuntimeError):
+    """A child process failed; `result` is what it reported (may be empty)."""
+
+    def __init__(self, message: str, result: dict | None = None, stderr: str = ""):
+        super().__init__(message)
+        self.result = result or {}
+        self.stderr = stderr
+
+
+# -- what to load
+
+
+@dataclasses.dataclass
+class LoadSpec:
+    """A checkpoint and how to call from_pretrained on it.
+
+    class_name: a class of mindone.transformers / mindone.diffusers, or
+    "module:Class" for a subclass of one (imported in the child).
+    library: "transformers" or "diffusers" as read from config.json; the
+    child decides from the class itself.
+    """
+
+    path: str
+    class_name: str
+    library: str
+    subfolder: str = ""
+    dtype: str | None = None
+
+    @property
+    def model_dir(self) -> str:
+        return os.path.join(self.path, self.subfolder) if self.subfolder else self.path
+
+    @classmethod
+    def resolve(cls, path, class_name=None, subfolder=None, dtype=None) -> "LoadSpec":
+        """Check the path and infer the class from config.json (no mindspore import).
+        Raises UsageError with a message for the user."""
+        path = os.path.abspath(os.fspath(path))
+        subfolder = subfolder or ""
+        if dtype is not None and dtype not in DTYPES:
+            raise UsageError(f"unknown dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
+        if not os.path.isdir(path):
+            raise UsageError(f"{path}: not a directory (a local checkpoint directory is needed)")
+        model_dir = os.path.join(path, subfolder) if subfolder else path
+        config_path = os.path.join(model_dir, "config.json")
+        if not os.path.isfile(config_path):
+            index = os.path.join(path, "model_index.json")
+            if not subfolder and os.path.isfile(index):
+                components = sorted(k for k, v in _read_json(index).items() if isinstance(v, list) and not k.startswith("_"))
+                raise UsageError(
+                    f"{path} is a diffusers pipeline; pass one model with --subfolder (components: {', '.join(components)})"
+                )
+            raise UsageError(f"{model_dir}: no config.json")
+        config = _read_json(config_path)
+        if "_class_name" in config or "_diffusers_version" in config:
+            library = "diffusers"
+            inferred = config.get("_class_name")
+        else:
+            library = "transformers"
+            architectures = config.get("architectures") or []
+            inferred = architectures[0] if architectures else None
+        name = class_name or inferred
+        if not name:
+            key = "_class_name" if library == "diffusers" else "architectures"
+            raise UsageError(f"{config_path} names no model class ({key!r} is missing); pass --class")
+        return cls(path=path, class_name=name, library=library, subfolder=subfolder, dtype=dtype)
+
+    def weight_files(self) -> list[str]:
+        """The safetensors files from_pretrained reads (index first, else every file)."""
+        try:
+            names = sorted(os.listdir(self.model_dir))
+        except OSError:
+            return []
+        indexes = [n for n in names if n.endswith(".safetensors.index.json")]
+        if indexes:
+            files = set()
+            for index in indexes:
+                files.update(_read_json(os.path.join(self.model_dir, index)).get("weight_map", {}).values())
+            return [os.path.join(self.model_dir, f) for f in sorted(files)]
+        return [os.path.join(self.model_dir, n) for n in names if n.endswith(".safetensors")]
+
+    def checkpoint_bytes(self) -> int:
+        return sum(os.path.getsize(f) for f in self.weight_files() if os.path.exists(f))
+
+
+def _read_json(path) -> dict:
+    try:
+        with open(path, encoding="utf-8") as f:
+            value = json.load(f)
+    except (OSError, ValueError) as exc:
+        raise UsageError(f"{path}: cannot read JSON ({exc})") from exc
+    if not isinstance(value, dict):
+        raise UsageError(f"{path}: not a JSON object")
+    return value
+
+
+# -- built-in and cached checkpoints
+
+
+def cache_dir() -> str:
+    """$MS_LOADPATCH_CACHE, else ~/.cache/ms_loadpatch."""
+    return os.environ.get(CACHE_ENV_VAR) or os.path.join(os.path.expanduser("~"), ".cache", "ms_loadpatch")
+
+
+def _version(distribution: str) -> str:
+    try:
+        return importlib.metadata.version(distribution)
+    except importlib.metadata.PackageNotFoundError:
+        return ""
+
+
+def cached_checkpoint(name: str, class_name: str, config: dict, max_shard_size=None, seed: int = 0,
+                      library: str = "transformers", progress: "Progress | None" = None) -> str:
+    """A checkpoint of `class_name` (in mindone.`library`, or "module:Class")
+    built from `config` (random weights, fixed seed; save_pretrained layout),
+    generated in a child process on first use and kept in cache_dir().
+    The directory name carries a hash of everything that shapes the files."""
+    key_data = {"class": class_name, "library": library, "config": config, "shard": max_shard_size, "seed": seed,
+                "mindone": _version("mindone"), "mindspore": _version("mindspore"), "format": 1}
+    key = hashlib.sha256(json.dumps(key_data, sort_keys=True).encode()).hexdigest()[:12]
+    target = os.path.join(cache_dir(), f"{name}-{key}")
+    if os.path.isfile(os.path.join(target, ".complete")):
+        return target
+    os.makedirs(cache_dir(), exist_ok=True)
+    staging = tempfile.mkdtemp(prefix=f".{name}-{key}-", dir=cache_dir())
+    try:
+        task = {"task": "generate", "class_name": class_name, "library": library, "config": config, "out": staging,
+                "max_shard_size": max_shard_size, "seed": seed}
+        with _step(progress, f"generating checkpoint {name} (once; cached in {cache_dir()})"):
+            run_child(task, mode="unpatched")
+        with open(os.path.join(staging, ".complete"), "w") as f:
+            json.dump(key_data, f)
+        os.chmod(staging, 0o755)  # mkdtemp made it private; the cache may be shared
+        try:
+            os.rename(staging, target)  # atomic: a concurrent generator's copy is as good as ours
+        except OSError:
+            if not os.path.isfile(os.path.join(target, ".complete")):
+                raise
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return target
+
+
+def builtin_checkpoint(size: str = "default", progress: "Progress | None" = None) -> str:
+    if size not in SIZES:
+        raise UsageError(f"unknown size {size!r}; choose one of {', '.join(SIZES)}")
+    entry = SIZES[size]
+    return cached_checkpoint(f"bench-{size}", entry["class_name"], entry["config"], entry["max_shard_size"],
+                             progress=progress)
+
+
+# -- child processes
+
+
+def child_env(mode: str) -> dict:
+    """Environment of a child: MS_LOADPATCH=0 keeps `import ms_loadpatch` a
+    no-op (the unpatched reference); =1 makes it enable at start-up."""
+    if mode not in ("patched", "unpatched"):
+        raise ValueError(mode)
+    env = dict(os.environ)
+    env["MS_LOADPATCH"] = "1" if mode == "patched" else "0"
+    env.pop("MS_LOADPATCH_REPORT", None)  # the parent reports; keep the children's stderr small
+    return env
+
+
+def run_child(task: dict, mode: str, timeout: float | None = None) -> dict:
+    """Run one task in a fresh interpreter; return the JSON it reports.
+    Raises ChildError (UsageError for a bad class name) when it fails."""
+    with tempfile.TemporaryDirectory(prefix="ms-loadpatch-") as tmp:
+        task = dict(task, result=os.path.join(tmp, "result.json"))
+        task_file = os.path.join(tmp, "task.json")
+        with open(task_file, "w") as f:
+            json.dump(task, f)
+        # Appended, so an installed ms_loadpatch wins; makes a source checkout work too.
+        bootstrap = f"import sys; sys.path.append({_PACKAGE_PARENT!r}); from ms_loadpatch._child import main; main()"
+        try:
+            proc = subprocess.run([sys.executable, "-c", bootstrap, task_file], env=child_env(mode),
+                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, timeout=timeout)
+        except subprocess.TimeoutExpired as exc:
+            raise ChildError(f"{task['task']} ({mode}) did not finish within {timeout} s") from exc
+        result = {}
+        if os.path.isfile(task["result"]):
+            with open(task["result"]) as f:
+                result = json.load(f)
+    if proc.returncode != 0 or "error" in result or not result:
+        if result.get("usage"):
+            raise UsageError(result["error"])
+        message = result.get("error") or f"exited with code {proc.returncode} without a result"
+        raise ChildError(f"{task['task']} ({mode}) failed: {message}", result, proc.stderr)
+    return result
+
+
+def load_task(spec: LoadSpec, snapshot: str | None = None) -> dict:
+    return {"task": "load", "spec": dataclasses.asdict(spec), "snapshot": snapshot}
+
+
+def measure_load(spec: LoadSpec, mode: str, snapshot: str | None = None, timeout=None) -> dict:
+    """One from_pretrained in a fresh process ("patched" or "unpatched"),
+    timed up to the last weight touched. Keys: seconds, peak_rss_bytes,
+    rss_before_bytes, report (patched: LoadReport.as_dict()), device, ..."""
+    return run_child(load_task(spec, snapshot), mode=mode, timeout=timeout)
+
+
+def measure_floors(spec: LoadSpec, timeout=None) -> dict:
+    """Lower bounds measured in one fresh process: reading every checkpoint
+    byte, and constructing the model under no_init_parameters() with no init pass."""
+    return run_child({"task": "floors", "spec": dataclasses.asdict(spec)}, mode="unpatched", timeout=timeout)
+
+
+# -- progress
+
+
+class Progress:
+    """One status line on a terminal with a running clock; silent otherwise."""
+
+    def __init__(self, enabled: bool | None = None, stream=None):
+        self.stream = stream or sys.stderr
+        self.enabled = (sys.stdout.isatty() and self.stream.isatty()) if enabled is None else enabled
+
+    def step(self, label: str):
+        return _Step(self, label)
+
+
+class _Step:
+    def __init__(self, progress: Progress, label: str):
+        self.progress, self.label = progress, label
+        self._stop = threading.Event()
+        self._thread = None
+        self.seconds = 0.0
+
+    def _draw(self, end=""):
+        elapsed = time.perf_counter() - self._start
+        self.progress.stream.write(f"\r\x1b[2K  {self.label} ... {elapsed:5.1f}s{end}")
+        self.progress.stream.flush()
+
+    def _tick(self):
+        while not self._stop.wait(0.25):
+            self._draw()
+
+    def __enter__(self):
+        self._start = time.perf_counter()
+        if self.progress.enabled:
+            self._draw()
+            self._thread = threading.Thread(target=self._tick, daemon=True)
+            self._thread.start()
+        return self
+
+    def __exit__(self, exc_type, *exc):
+        self.seconds = time.perf_counter() - self._start
+        if self._thread is not None:
+            self._stop.set()
+            self._thread.join()
+            self._draw(end=" failed\n" if exc_type else "\n")
+        return False
+
+
+def _step(progress, label):
+    return (progress or Progress(enabled=False)).step(label)
+
+
+# -- the benchmark
+
+
+def _median_run(runs: list[dict]) -> dict:
+    """The run whose time is the (low) median: its phases are shown."""
+    ordered = sorted(runs, key=lambda r: r["seconds"])
+    return ordered[(len(ordered) - 1) // 2]
+
+
+def run_bench(spec: LoadSpec, repeats: int = 3, floors: bool = True, progress: Progress | None = None,
+              timeout=None) -> dict:
+    """Time unpatched vs patched from_pretrained (alternating, one fresh process
+    per load), plus the floors. Returns a JSON-ready dict (see format_table)."""
+    if repeats < 1:
+        raise UsageError("--repeats must be at least 1")
+    runs = {"unpatched": [], "patched": []}
+    floor = None
+    if floors:  # first: it also brings the files into the page cache for every load after it
+        with _step(progress, "floors: read every checkpoint byte, construct without init"):
+            floor = measure_floors(spec, timeout=timeout)
+    for i in range(repeats):
+        for mode in ("unpatched", "patched"):  # alternating: slow drift of the machine hits both
+            with _step(progress, f"{mode} load {i + 1}/{repeats}"):
+                runs[mode].append(measure_load(spec, mode, timeout=timeout))
+    sides = {}
+    for mode, mode_runs in runs.items():
+        median_run = _median_run(mode_runs)
+        sides[mode] = {
+            "seconds": [r["seconds"] for r in mode_runs],
+            "median_seconds": statistics.median(r["seconds"] for r in mode_runs),
+            "peak_rss_bytes": [r["peak_rss_bytes"] for r in mode_runs],
+            "rss_before_bytes": [r["rss_before_bytes"] for r in mode_runs],
+            "median_run": median_run,
+        }
+    if not sides["patched"]["median_run"].get("plugin_enabled"):
+        raise ChildError("the patched child could not enable ms_loadpatch: "
+                         + str(sides["patched"]["median_run"].get("plugin_refusal")))
+    first = runs["patched"][0]
+    patched_median = sides["patched"]["median_seconds"]
+    return {
+        "checkpoint": {
+            "path": spec.path, "subfolder": spec.subfolder, "class_name": first["class_name"],
+            "library": first["library"], "dtype": spec.dtype, "files": len(spec.weight_files()),
+            "bytes": spec.checkpoint_bytes(), "tensors": first["tensors"],
+        },
+        "device": first["device"],
+        "cpu_kernel_fallbacks": first["cpu_kernel_fallbacks"],
+        "versions": first["versions"],
+        "repeats": repeats,
+        "unpatched": sides["unpatched"],
+        "patched": dict(sides["patched"], report=sides["patched"]["median_run"].get("report")),
+        "ratio": sides["unpatched"]["median_seconds"] / patched_median if patched_median > 0 else None,
+        "floors": floor,
+    }
+
+
+def _mb(n) -> str:
+    if n < 2**20:
+        return f"{n / 2**10:,.0f} KB"
+    return f"{n / 2**20:,.0f} MB"
+
+
+def _s(x) -> str:
+    return f"{x:.3f} s"
+
+
+def format_table(results: dict, title: str | None = None) -> str:
+    ckpt = results["checkpoint"]
+    unp, pat, floors = results["unpatched"], results["patched"], results.get("floors") or {}
+    report = pat.get("report") or {}
+    lines = []
+    where = ckpt["path"] + (f" (subfolder {ckpt['subfolder']})" if ckpt["subfolder"] else "")
+    lines.append(title or f"ms-loadpatch bench: {ckpt['class_name']} (mindone.{ckpt['library']})")
+    lines.append(f"  checkpoint  {where}")
+    lines.append(f"              {_mb(ckpt['bytes'])} in {ckpt['files']} file(s), {ckpt['tensors']} tensors, "
+                 f"dtype {ckpt['dtype'] or 'as from_pretrained defaults'}")
+    versions = ", ".join(f"{k} {v}" for k, v in results["versions"].items())
+    fallback = FALLBACK_NOTE if results["cpu_kernel_fallbacks"] else ""
+    lines.append(f"  device      {results['device']}{fallback}")
+    lines.append(f"  versions    {versions}")
+    lines.append(f"  method      each load in a fresh process, median of {results['repeats']}; timed: "
+                 "from_pretrained + touching every weight")
+    lines.append("")
+    lines.append(f"  {'':24}{'unpatched':>12}{'patched':>12}")
+    ratio = results["ratio"]
+    ratio_text = ""
+    if ratio:
+        ratio_text = f"   {ratio:.1f}x faster" if ratio >= 1 else f"   {1 / ratio:.1f}x slower"
+    lines.append(f"  {'from_pretrained':24}{_s(unp['median_seconds']):>12}{_s(pat['median_seconds']):>12}{ratio_text}")
+    lines.append(f"  {'peak RSS':24}{_mb(max(unp['peak_rss_bytes'])):>12}{_mb(max(pat['peak_rss_bytes'])):>12}")
+    lines.append(f"  {'  of which before load':24}{_mb(min(unp['rss_before_bytes'])):>12}"
+                 f"{_mb(min(pat['rss_before_bytes'])):>12}   (interpreter + imports)")
+    if results["repeats"] > 1:
+        lines.append(f"  all runs (s): unpatched {' '.join(f'{x:.2f}' for x in unp['seconds'])}; "
+                     f"patched {' '.join(f'{x:.2f}' for x in pat['seconds'])}")
+    lines.append("")
+    phases = dict(report.get("phases") or {})
+    if phases:
+        lines.append("  patched load, by phase (median run):")
+        floor_of = {
+            "construct": ("construct under no_init_parameters, no init", floors.get("construct_seconds")),
+            "read": ("read every checkpoint byte", floors.get("read_seconds")),
+        }
+        for name, seconds in phases.items():
+            label = "cast/assign" if name == "assign" else name
+            floor_label, floor_value = floor_of.get(name, (None, None))
+            note = f"   floor: {floor_label} {_s(floor_value)}" if floor_value is not None else ""
+            lines.append(f"    {label:20}{_s(seconds):>10}{note}")
+        other = pat["median_run"]["seconds"] - sum(phases.values())
+        lines.append(f"    {'other':20}{_s(max(other, 0.0)):>10}   mindone's own bookkeeping, touching the weights")
+        lines.append(f"  tensors: {report.get('tensors_read')} read from {report.get('shards')} file(s) with "
+                     f"{report.get('read_workers')} worker(s), {report.get('tensors_assigned')} assigned, "
+                     f"{report.get('tensors_cast')} cast, {report.get('cells_reinitialised')} cells initialised "
+                     "for missing weights")
+        lines.append(f"  technique: {report.get('technique')}")
+    else:
+        lines.append("  patched load: no load report (mindone's own path ran, e.g. a class that overrides its loading)")
+        for key, label in (("construct_seconds", "construct floor"), ("read_seconds", "read floor")):
+            if floors.get(key) is not None:
+                lines.append(f"    {label:20}{_s(floors[key]):>10}")
+    return "\n".join(lines)
+
+
+# -- the command
+
+
+def main(args) -> int:
+    """`ms-loadpatch bench` (args from cli.build_parser)."""
+    progress = Progress()
+    try:
+        if args.path:
+            spec = LoadSpec.resolve(args.path, args.class_name, args.subfolder, args.dtype)
+            title = None
+        else:
+            if args.class_name or args.subfolder:
+                raise UsageError("--class and --subfolder need a PATH")
+            path = builtin_checkpoint(args.size, progress=progress)
+            spec = LoadSpec.resolve(path, dtype=args.dtype)
+            title = f"ms-loadpatch bench: built-in {args.size} checkpoint, {spec.class_name} (mindone.{spec.library})"
+        results = run_bench(spec, repeats=args.repeats, progress=progress)
+    except UsageError as exc:
+        print(f"ms-loadpatch bench: {exc}", file=sys.stderr)
+        return 2
+    except ChildError as exc:
+        print(f"ms-loadpatch bench: {exc}", file=sys.stderr)
+        if exc.result.get("traceback") or exc.stderr:
+            print(exc.result.get("traceback") or exc.stderr[-3000:], file=sys.stderr)
+        return 1
+    if not args.path:
+        results["checkpoint"]["builtin_size"] = args.size
+    print(format_table(results, title))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=2)
+        print(f"\nresults written to {args.json}")
+    return 0

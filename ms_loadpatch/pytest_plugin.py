@@ -1,1 +1,0 @@
-"""pytest plugin (entry point `pytest11`): helpers for "patched equals unpatched" tests."""
