@@ -425,6 +425,7 @@ def format_table(results: dict, title: str | None = None) -> str:
         floor_of = {
             "construct": ("construct under no_init_parameters, no init", floors.get("construct_seconds")),
             "read": ("read every checkpoint byte", floors.get("read_seconds")),
+            "assign": ("one cast pass", floors.get("cast_seconds")),
         }
         for name, seconds in phases.items():
             label = "cast/assign" if name == "assign" else name
