@@ -40,6 +40,10 @@ class _Patcher:
         self._hooked_modules: set[str] = set()
         self._gate: versions.GateResult | None = None
         self._warned_refusal = False
+        # accelerated loads in flight, by thread: disable() waits for other threads' loads
+        self._loads: dict[int, int] = {}
+        self._idle = threading.Condition(self._lock)
+        self._disabling = False
 
     # -- public operations
 
@@ -70,6 +74,15 @@ class _Patcher:
 
     def disable(self) -> None:
         with self._lock:
+            # A load in flight in another thread calls the patched internals
+            # until it returns: unpatching under it would leave it half
+            # accelerated. Loads starting meanwhile run unaccelerated.
+            me = threading.get_ident()
+            self._disabling = True
+            try:
+                self._idle.wait_for(lambda: not (self._loads.keys() - {me}))
+            finally:
+                self._disabling = False
             for target in reversed(self._targets):
                 handle = self._handles.pop(target.key, None)
                 if handle is not None:
@@ -81,6 +94,26 @@ class _Patcher:
 
     def is_enabled(self) -> bool:
         return self._enabled
+
+    @contextlib.contextmanager
+    def accelerated_load(self):
+        """Held by an accelerated load for its whole duration: yields True if
+        it may run accelerated (enabled, and no disable() waiting), and then
+        keeps disable() in other threads from unpatching until it ends."""
+        me = threading.get_ident()
+        with self._lock:
+            allowed = self._enabled and not self._disabling
+            if allowed:
+                self._loads[me] = self._loads.get(me, 0) + 1
+        try:
+            yield allowed
+        finally:
+            if allowed:
+                with self._lock:
+                    self._loads[me] -= 1
+                    if not self._loads[me]:
+                        del self._loads[me]
+                    self._idle.notify_all()
 
     def is_handle(self, obj) -> bool:
         return any(obj is handle for handle in self._handles.values())
@@ -163,12 +196,19 @@ def enable() -> bool:
 
 
 def disable() -> None:
-    """Restore every original object. Harmless when not enabled."""
+    """Restore every original object. Harmless when not enabled. Waits for
+    accelerated loads running in other threads to finish first."""
     _PATCHER.disable()
 
 
 def is_enabled() -> bool:
     return _PATCHER.is_enabled()
+
+
+def accelerated_load():
+    """Context manager for a glue entry point: yields whether this load may
+    run accelerated; disable() in another thread waits until it ends."""
+    return _PATCHER.accelerated_load()
 
 
 def status() -> dict:

@@ -122,3 +122,56 @@ def cpu_kernel_fallbacks():
         stack.enter_context(wrapt.scoped_function_wrapper(ops, "embedding", embedding))
         stack.enter_context(wrapt.scoped_function_wrapper(ops, "rms_norm", rms_norm))
         yield
+
+
+def write_random_checkpoint(cls, config, directory, dtype="float32", max_shard_bytes=None, seed=0, std=0.02):
+    """Write a checkpoint for `cls(config)` with random values, in the
+    layout mindone's save_pretrained writes (model.safetensors, or shards
+    plus model.safetensors.index.json), without initialising a model: the
+    model is built lazily only to learn parameter names and shapes.
+    Much faster than building and saving a large model for real."""
+    import json
+    import os
+
+    from mindspore.nn.utils import no_init_parameters
+    from safetensors.numpy import save_file
+
+    from .strategy.reader import numpy_dtypes
+
+    np_dtype = numpy_dtypes()[{"float32": "F32", "float16": "F16", "bfloat16": "BF16"}[dtype]]
+    with cpu_kernel_fallbacks(), no_init_parameters():
+        model = cls(config)
+    shapes = {}
+    for name, param in model.parameters_and_names():
+        shapes[name] = tuple(param.shape)
+    for name, buffer in model.named_buffers():
+        shapes.setdefault(name, None)  # buffers are rebuilt by the model; not saved here
+    del model
+    rng = np.random.default_rng(seed)
+    shards, current, current_bytes = [], {}, 0
+    for name, shape in shapes.items():
+        if shape is None:
+            continue
+        size = int(np.prod(shape)) * np_dtype.itemsize
+        if max_shard_bytes and current and current_bytes + size > max_shard_bytes:
+            shards.append(current)
+            current, current_bytes = {}, 0
+        current[name] = (rng.standard_normal(shape, dtype=np.float32) * std).astype(np_dtype)
+        current_bytes += size
+    shards.append(current)
+    os.makedirs(directory, exist_ok=True)
+    config.save_pretrained(directory)
+    metadata = {"format": "np"}
+    if len(shards) == 1:
+        save_file(shards[0], os.path.join(directory, "model.safetensors"), metadata=metadata)
+        return directory
+    weight_map, total = {}, 0
+    for i, shard in enumerate(shards, 1):
+        file_name = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
+        save_file(shard, os.path.join(directory, file_name), metadata=metadata)
+        for key, value in shard.items():
+            weight_map[key] = file_name
+            total += value.nbytes
+    with open(os.path.join(directory, "model.safetensors.index.json"), "w") as f:
+        json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
+    return directory

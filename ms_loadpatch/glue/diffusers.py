@@ -35,13 +35,13 @@ import mindspore as ms
 import wrapt
 from mindspore import ops
 
+from .. import core
 from ..strategy import context
 from ..strategy.assign import cast_parameters
 from ..strategy.construct import CONSTRUCTION_LOCK, lazy_construction
-from ..strategy.prefetch import Prefetcher
+from ..strategy.prefetch import Prefetcher, parallel_workers
 from ..strategy.reader import CheckpointError, read_arrays
 from ..strategy.tensors import cast, to_tensor
-from .transformers import parallel_workers
 
 logger = logging.getLogger("ms_loadpatch")
 _MODULE = "mindone.diffusers.models.modeling_utils"
@@ -96,11 +96,17 @@ def _fallback_reason(cls, kwargs) -> str | None:
 
 
 def from_pretrained(wrapped, instance, args, kwargs):
-    reason = _fallback_reason(instance, kwargs)
-    if reason is not None:
-        logger.debug("ms_loadpatch: %s.from_pretrained unpatched: %s", getattr(instance, "__name__", instance), reason)
-        with CONSTRUCTION_LOCK:
-            return wrapped(*args, **kwargs)
+    with core.accelerated_load() as allowed:
+        reason = _fallback_reason(instance, kwargs) if allowed else "ms_loadpatch is being disabled"
+        if reason is not None:
+            logger.debug("ms_loadpatch: %s.from_pretrained unpatched: %s", getattr(instance, "__name__", instance),
+                         reason)
+            with CONSTRUCTION_LOCK:
+                return wrapped(*args, **kwargs)
+        return _accelerated_from_pretrained(wrapped, instance, args, kwargs)
+
+
+def _accelerated_from_pretrained(wrapped, instance, args, kwargs):
     report = context.LoadReport(instance.__name__, _LIBRARY)
     report.technique = _TECHNIQUE
     with context.activate(report) as ctx:
@@ -127,11 +133,15 @@ def from_config(wrapped, instance, args, kwargs):
 
 
 def no_init_parameters(wrapped, instance, args, kwargs):
-    """modeling_utils' `no_init_parameters`: the same lazy window, but holding
-    the construction lock (it flips a class-level flag) and timed."""
-    ctx = _active()
-    if ctx is None or args or kwargs:
+    """modeling_utils' `no_init_parameters`: the same lazy window, scoped to
+    the building thread and under the construction lock (mindone's flips a
+    class flag for every thread: a model built elsewhere meanwhile came out
+    lazy), and timed inside an accelerated load."""
+    if args or kwargs:
         return _locked(wrapped(*args, **kwargs))
+    ctx = _active()
+    if ctx is None:
+        return lazy_construction()
     return _timed_construction(ctx)
 
 
@@ -217,8 +227,32 @@ def load_pretrained_model(wrapped, instance, args, kwargs):
         return wrapped(*args, **kwargs)
     ctx.cache["index"] = (model, index)
     result = wrapped(*args, **kwargs)
+    loaded_keys = args[4] if len(args) > 4 else kwargs.get("loaded_keys")
+    if len(paths) > 1:
+        _check_index_against_shards(ctx, paths, loaded_keys)
     ctx.cache["load_done"] = True
     return result
+
+
+def _check_index_against_shards(ctx, paths, loaded_keys) -> None:
+    """A tensor the index lists but no shard read holds (an index mapping it
+    to the wrong file): mindone leaves that weight lazy, to be randomly
+    initialised, without a word. Refuse, naming the file the index points to."""
+    read = ctx.cache.get("keys_read", set())
+    unread = [key for key in loaded_keys or () if key not in read]
+    if not unread:
+        return
+    directory = os.path.dirname(os.fspath(paths[0]))
+    weight_map = {}
+    for name in os.listdir(directory):
+        if name.endswith(".json") and ".safetensors.index" in name:
+            with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
+                with open(os.path.join(directory, name)) as f:
+                    weight_map.update(json.load(f)["weight_map"])
+    shard = weight_map.get(unread[0])
+    path = next((p for p in paths if os.path.basename(os.fspath(p)) == shard), paths[0])
+    raise CheckpointError(path, "the checkpoint's index lists this tensor in this file, but no shard holds it",
+                          key=unread[0])
 
 
 def load_shard_file(wrapped, instance, args, kwargs):
@@ -346,6 +380,7 @@ def _read(ctx, path) -> dict:
         arrays = taken[0] if taken is not None else read_arrays(path)[0]
     ctx.report.tensors_read += len(arrays)
     ctx.report.shards += 1
+    ctx.cache.setdefault("keys_read", set()).update(arrays)  # checked against the index
     return arrays
 
 

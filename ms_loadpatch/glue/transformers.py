@@ -10,6 +10,7 @@ accelerated load is active in the calling thread.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import sys
@@ -17,10 +18,12 @@ import sys
 import mindspore as ms
 import wrapt
 
+from .. import core
 from ..strategy import context
 from ..strategy.assign import assign, cast_parameters, check_and_pair
 from ..strategy.construct import CONSTRUCTION_LOCK, initialize_unloaded, lazy_construction, state_index
-from ..strategy.reader import read_arrays, read_many
+from ..strategy.prefetch import Prefetcher, parallel_workers
+from ..strategy.reader import CheckpointError, named_safetensors_error, read_arrays
 from ..strategy.tensors import to_tensor
 
 logger = logging.getLogger("ms_loadpatch")
@@ -49,36 +52,89 @@ def _fallback_reason(cls, kwargs) -> str | None:
     return None
 
 
-def parallel_workers() -> int:
-    """HF_ENABLE_PARALLEL_LOADING / HF_PARALLEL_LOADING_WORKERS, read at call time."""
-    if os.environ.get("HF_ENABLE_PARALLEL_LOADING", "").strip().lower() not in ("1", "true", "yes", "on"):
-        return 1
-    try:
-        return max(1, int(os.environ.get("HF_PARALLEL_LOADING_WORKERS", "8")))
-    except ValueError:
-        return 8
-
-
 # -- entry points (targets.TARGETS)
 
 
 def from_pretrained(wrapped, instance, args, kwargs):
-    reason = _fallback_reason(instance, kwargs)
-    if reason is not None:
-        logger.debug("ms_loadpatch: %s.from_pretrained unpatched: %s", instance.__name__, reason)
-        with CONSTRUCTION_LOCK:
-            return wrapped(*args, **kwargs)
+    with core.accelerated_load() as allowed:
+        reason = _fallback_reason(instance, kwargs) if allowed else "ms_loadpatch is being disabled"
+        if reason is not None:
+            logger.debug("ms_loadpatch: %s.from_pretrained unpatched: %s", instance.__name__, reason)
+            with CONSTRUCTION_LOCK:
+                return wrapped(*args, **kwargs)
+        return _accelerated_from_pretrained(wrapped, instance, args, kwargs)
+
+
+def _accelerated_from_pretrained(wrapped, instance, args, kwargs):
     report = context.LoadReport(instance.__name__, "transformers")
     report.technique = "lazy construction, set_data from owned read buffer, set_dtype cast"
-    with context.activate(report) as ctx:
-        result = wrapped(*args, **kwargs)
-        if not ctx.cache.get("load_done"):
-            model = result[0] if isinstance(result, tuple) else result
-            raise RuntimeError(
-                f"ms_loadpatch: {type(model).__name__} was built lazily but mindone's loading path did not run; "
-                "refusing to return a model with uninitialised weights"
-            )
+    try:
+        with context.activate(report) as ctx:
+            _start_prefetch(ctx, instance, args, kwargs)
+            result = wrapped(*args, **kwargs)
+            if not ctx.cache.get("load_done"):
+                model = result[0] if isinstance(result, tuple) else result
+                raise RuntimeError(
+                    f"ms_loadpatch: {type(model).__name__} was built lazily but mindone's loading path did not run; "
+                    "refusing to return a model with uninitialised weights"
+                )
+    except Exception as exc:
+        better = _name_the_file(exc, wrapped)
+        if better is None:
+            raise
+        raise better from exc
     return result
+
+
+def _local_checkpoint_files(cls, args, kwargs) -> list[str]:
+    """The safetensors files mindone will read for a local directory, in its
+    order; [] where that is not plain to see (hub ids, explicit file names)."""
+    path = args[0] if args else kwargs.get("pretrained_model_name_or_path")
+    if not isinstance(path, (str, os.PathLike)) or kwargs.get("use_safetensors") is False:
+        return []
+    directory = os.path.join(os.fspath(path), kwargs.get("subfolder") or "")
+    if not os.path.isdir(directory):
+        return []
+    add_variant = _modeling_utils()._add_variant
+    variant = kwargs.get("variant")
+    single = os.path.join(directory, add_variant("model.safetensors", variant))
+    if os.path.isfile(single):
+        return [single]
+    index = os.path.join(directory, add_variant("model.safetensors.index.json", variant))
+    try:
+        with open(index) as f:
+            weight_map = json.load(f)["weight_map"]
+        return [os.path.join(directory, name) for name in sorted(set(weight_map.values()))]
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return []  # mindone reads (and reports on) the index itself
+
+
+def _start_prefetch(ctx, cls, args, kwargs) -> None:
+    """Read the files in background threads while mindone builds the model."""
+    files = _local_checkpoint_files(cls, args, kwargs)
+    if not files:
+        return
+    workers = parallel_workers()
+    ctx.report.read_workers = workers
+    prefetcher = Prefetcher(files, workers=workers)
+    ctx.cleanup.callback(prefetcher.close)
+    ctx.cache["prefetcher"] = prefetcher
+
+
+def _name_the_file(exc, wrapped):
+    """mindone checks a single-file checkpoint with safetensors' safe_open,
+    whose error names neither the file nor, often, the problem ("header too
+    large" for a git-lfs pointer). The same exception type, saying both; None
+    when `exc` is not that error."""
+    code = getattr(getattr(wrapped, "__func__", wrapped), "__code__", None)
+    path, tb = None, exc.__traceback__
+    while tb is not None:
+        if tb.tb_frame.f_code is code:
+            path = tb.tb_frame.f_locals.get("resolved_archive_file")
+        tb = tb.tb_next
+    if not isinstance(path, (str, os.PathLike)):
+        return None
+    return named_safetensors_error(path, exc)
 
 
 def from_config(wrapped, instance, args, kwargs):
@@ -111,14 +167,13 @@ def float_(wrapped, instance, args, kwargs):
 def load_state_dict(wrapped, instance, args, kwargs):
     checkpoint_file = args[0] if args else kwargs.get("checkpoint_file")
     if len(args) + len(kwargs) != 1 or not os.fspath(checkpoint_file).endswith(".safetensors"):
+        logger.debug("ms_loadpatch: %s is not safetensors: left to mindone's load_state_dict", checkpoint_file)
         return wrapped(*args, **kwargs)  # not a format the fast reader knows: mindone decides
     ctx = context.current()
-    prefetched = ctx.cache.get("prefetch") if ctx is not None else None
-    if prefetched is not None and os.fspath(checkpoint_file) in prefetched:
-        arrays, metadata = prefetched.pop(os.fspath(checkpoint_file))
-    else:
-        with (ctx.report.phase("read") if ctx else _null()):
-            arrays, metadata = read_arrays(checkpoint_file)
+    prefetcher = ctx.cache.get("prefetcher") if ctx is not None else None
+    with (ctx.report.phase("read") if ctx else _null()):
+        taken = prefetcher.take(checkpoint_file) if prefetcher is not None else None
+        arrays, metadata = taken if taken is not None else read_arrays(checkpoint_file)
     if metadata is not None and metadata.get("format") not in _SAFE_METADATA_FORMATS:
         raise OSError(
             f"The safetensors archive passed at {checkpoint_file} does not contain the valid metadata. Make sure "
@@ -128,6 +183,8 @@ def load_state_dict(wrapped, instance, args, kwargs):
         return {name: ms.Parameter(to_tensor(array), name=name) for name, array in arrays.items()}
     ctx.report.tensors_read += len(arrays)
     ctx.report.shards += 1
+    ctx.cache["last_file"] = os.fspath(checkpoint_file)  # named in a shape-mismatch error
+    ctx.cache.setdefault("keys_read", set()).update(arrays)  # checked against the index
     return {name: to_tensor(array) for name, array in arrays.items()}
 
 
@@ -164,12 +221,9 @@ def load_pretrained_model(wrapped, instance, args, kwargs):
         return wrapped(*args, **kwargs)
     ctx.close_construction()  # a model whose __init__ never reached post_init
     files = args[3] if len(args) > 3 else kwargs.get("resolved_archive_file")
-    workers = parallel_workers()
-    ctx.report.read_workers = workers
-    if isinstance(files, list) and len(files) > 1 and workers > 1:
-        with ctx.report.phase("read"):
-            ctx.cache["prefetch"] = {os.fspath(path): result for path, result in read_many(files, workers)}
     result = wrapped(*args, **kwargs)
+    sharded_metadata = kwargs.get("sharded_metadata", args[6] if len(args) > 6 else None)
+    _check_index_against_shards(ctx, files, sharded_metadata)
     model = result[0]
     with ctx.report.phase("init-missing"):
         ctx.report.cells_reinitialised = initialize_unloaded(model, ctx.loaded, _initializer_for)
@@ -179,6 +233,23 @@ def load_pretrained_model(wrapped, instance, args, kwargs):
     ctx.cache["load_done"] = True
     ctx.loaded.clear()
     return result
+
+
+def _check_index_against_shards(ctx, files, sharded_metadata) -> None:
+    """A tensor the index lists but no shard read holds (an index mapping it
+    to the wrong file): mindone leaves that weight as randomly initialised,
+    without a word. Refuse, naming the file the index points to and the key."""
+    if not sharded_metadata or not isinstance(files, list):
+        return
+    read = ctx.cache.get("keys_read", set())
+    weight_map = sharded_metadata.get("weight_map") or {}
+    for key in sharded_metadata.get("all_checkpoint_keys", ()):
+        if key not in read:
+            shard = weight_map.get(key)
+            path = next((f for f in files if os.path.basename(os.fspath(f)) == shard), shard or files[0])
+            raise CheckpointError(
+                path, "the checkpoint's index lists this tensor in this file, but no shard holds it", key=key
+            )
 
 
 def convert_state_dict(wrapped, instance, args, kwargs):
@@ -233,7 +304,12 @@ def load_state_dict_into_model(wrapped, instance, args, kwargs):
         key = ("index", id(model_to_load))
         if key not in ctx.cache:
             ctx.cache[key] = state_index(model_to_load)
-        pairs = check_and_pair(ctx.cache[key], state_dict, model_to_load.__class__.__name__)
+        try:
+            pairs = check_and_pair(ctx.cache[key], state_dict, model_to_load.__class__.__name__)
+        except RuntimeError as exc:
+            if "last_file" not in ctx.cache:
+                raise
+            raise RuntimeError(f"{exc}\n\t(checkpoint file: {ctx.cache['last_file']})") from None
         assign(pairs, ctx.loaded, ctx.report)
         if len(start_prefix) > 0:
             for name, param in model_to_load.parameters_and_names():

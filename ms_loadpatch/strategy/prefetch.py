@@ -16,6 +16,17 @@ from concurrent.futures import ThreadPoolExecutor
 from .reader import read_arrays
 
 
+def parallel_workers() -> int:
+    """HF_ENABLE_PARALLEL_LOADING / HF_PARALLEL_LOADING_WORKERS, read at call
+    time (mindone reads the flag once, at import)."""
+    if os.environ.get("HF_ENABLE_PARALLEL_LOADING", "").strip().lower() not in ("1", "true", "yes", "on"):
+        return 1
+    try:
+        return max(1, int(os.environ.get("HF_PARALLEL_LOADING_WORKERS", "8")))
+    except ValueError:
+        return 8
+
+
 class Prefetcher:
     def __init__(self, paths, workers: int = 1, ahead: int | None = None):
         self._paths = [os.fspath(p) for p in paths]

@@ -5,10 +5,12 @@ The data section is read once into one numpy buffer per file; every tensor
 is a view of it. Not mmap: an aliased mmap defers the read to first use and
 follows later writes to the file.
 
-The header is accepted exactly when the safetensors library accepts it
-(the check mindone itself runs before loading a file), except that dtypes
-numpy cannot hold (F8_*, F6_*, F4, C64) are refused. tests/test_reader_fuzz.py
-holds the two readers against each other.
+A file is accepted exactly when the safetensors library accepts it (the
+check mindone itself runs before loading a file), except what numpy cannot
+hold: dtypes F8_*, F6_*, F4, C64, and empty tensors with shapes such as
+[2**63, 0]. (Not modelled: serde_json's rounding of floats within a hair of
+1.8e308 in fields safetensors ignores.) tests/test_reader_fuzz.py holds the
+two readers against each other.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import struct
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
+from safetensors import SafetensorError
 
 # safetensors' own limit (MAX_HEADER_SIZE); a larger claim is corruption.
 MAX_HEADER_BYTES = 100_000_000
@@ -294,6 +297,32 @@ def parse_header(path, file_size: int, head: bytes) -> SafetensorsHeader:
     return SafetensorsHeader(path, header_len, entries, metadata)
 
 
+class SafetensorsFileError(SafetensorError):
+    """The safetensors library's error for a file (the type mindone's own
+    check raises), naming the file and saying what is wrong in plain words."""
+
+    def __init__(self, path, problem: str, key: str | None = None):
+        self.path = os.fspath(path)
+        self.key = key
+        self.problem = problem
+        where = f"tensor {key!r} of " if key is not None else ""
+        super().__init__(f"Cannot load {where}checkpoint file {self.path}: {problem}")
+
+
+def named_safetensors_error(path, original: Exception) -> SafetensorsFileError | None:
+    """A SafetensorsFileError for `original`, raised by safetensors reading `path`; None for other errors."""
+    if not isinstance(original, SafetensorError):
+        return None
+    try:
+        read_header(path)
+        problem, key = f"{original}", None
+    except CheckpointError as exc:
+        problem, key = f"{exc.problem} (safetensors: {original})", exc.key
+    except OSError as exc:
+        problem, key = f"{exc} (safetensors: {original})", None
+    return SafetensorsFileError(path, problem, key)
+
+
 def read_header(path) -> SafetensorsHeader:
     try:
         with open(path, "rb") as f:
@@ -325,7 +354,10 @@ def read_arrays(path) -> tuple[dict[str, np.ndarray], dict | None]:
         view = buffer[begin:end]
         if begin % dtype.itemsize:  # unaligned: a view would be refused or copied later anyway
             view = view.copy()
-        arrays[name] = view.view(dtype).reshape(shape)
+        try:
+            arrays[name] = view.view(dtype).reshape(shape)
+        except ValueError:  # valid safetensors, e.g. shape [2**63, 0], but not a numpy shape
+            raise CheckpointError(path, f"numpy cannot hold shape {list(shape)}", key=name) from None
     return arrays, header.metadata
 
 
