@@ -273,10 +273,14 @@ def test_files_read_ahead(ckpts, tmp_path, monkeypatch, layout, kwargs):
     with ms_loadpatch.disabled():
         reference = D.UNet2DConditionModel.from_pretrained(path, **kwargs)
 
-    def no_synchronous_read(file):
-        raise AssertionError(f"{file} was not read ahead")
+    def only_read_ahead(ctx, file):
+        prefetcher = ctx.cache.get("prefetcher")
+        taken = prefetcher.take(file) if prefetcher is not None else None
+        if taken is None:
+            raise AssertionError(f"{file} was not read ahead")
+        return taken
 
-    monkeypatch.setattr(glue, "read_arrays", no_synchronous_read)
+    monkeypatch.setattr(glue, "take_or_read", only_read_ahead)
     with ms_loadpatch.enabled():
         accelerated = D.UNet2DConditionModel.from_pretrained(path, **kwargs)
     _assert_fast_path(name, ckpts.made[name])

@@ -133,9 +133,8 @@ def test_fault_during_reading(models, monkeypatch, parallel):
             raise OSError(f"injected read failure: {path}")
         return real(path)
 
-    # files are read ahead by the prefetcher, or by the glue itself
+    # files are read ahead by the prefetcher, or read on demand by prefetch.take_or_read
     monkeypatch.setattr(prefetch, "read_arrays", failing)
-    monkeypatch.setattr(glue_tf, "read_arrays", failing)
     if parallel:
         monkeypatch.setenv("HF_ENABLE_PARALLEL_LOADING", "1")
         monkeypatch.setenv("HF_PARALLEL_LOADING_WORKERS", "2")

@@ -39,7 +39,7 @@ from .. import core
 from ..strategy import context
 from ..strategy.assign import cast_parameters
 from ..strategy.construct import CONSTRUCTION_LOCK, lazy_construction
-from ..strategy.prefetch import Prefetcher, parallel_workers
+from ..strategy.prefetch import local_checkpoint_files, start_prefetch, take_or_read
 from ..strategy.reader import CheckpointError, read_arrays
 from ..strategy.tensors import cast, to_tensor
 
@@ -110,12 +110,8 @@ def _accelerated_from_pretrained(wrapped, instance, args, kwargs):
     report = context.LoadReport(instance.__name__, _LIBRARY)
     report.technique = _TECHNIQUE
     with context.activate(report) as ctx:
-        prefetcher = _start_prefetch(ctx, args, kwargs)
-        try:
-            result = wrapped(*args, **kwargs)
-        finally:
-            if prefetcher is not None:
-                prefetcher.close()  # drops what was not taken; waits for running reads
+        start_prefetch(ctx, _local_checkpoint_files(args, kwargs))  # closed with the load context
+        result = wrapped(*args, **kwargs)
         model = result[0] if isinstance(result, tuple) else result
         if ctx.cache.get("passthrough"):
             report.technique = f"fallback to mindone: {ctx.cache['passthrough']}"
@@ -331,53 +327,28 @@ def _timed_construction(ctx):
 
 
 def _local_checkpoint_files(args, kwargs) -> list[str]:
-    """The safetensors files mindone will resolve for a local directory, in the
-    same lookup order (index first; a single file at the root before the
-    subfolder); [] where that is not plain to see (hub ids, .bin, legacy names).
-    A wrong guess costs a wasted read, never a wrong model: files are taken by path."""
+    """The safetensors files mindone will resolve for a local directory, in its
+    lookup order: the index in the subfolder, then a single file at the root,
+    then in the subfolder."""
     path = args[0] if args else kwargs.get("pretrained_model_name_or_path")
     if not isinstance(path, (str, os.PathLike)) or kwargs.get("use_safetensors") is False:
         return []
-    root, subfolder, variant = os.fspath(path), kwargs.get("subfolder"), kwargs.get("variant")
-    if not os.path.isdir(root):
-        return []
-    add_variant = _modeling_utils()._add_variant
-    index = os.path.join(root, subfolder or "", add_variant("diffusion_pytorch_model.safetensors.index.json", variant))
-    if os.path.isfile(index):
-        try:
-            with open(index) as f:
-                weight_map = json.load(f)["weight_map"]
-            return [os.path.join(root, subfolder or "", name) for name in sorted(set(weight_map.values()))]
-        except (OSError, ValueError, KeyError, TypeError, AttributeError):
-            return []  # mindone reads (and reports on) the index itself
+    root, subfolder = os.fspath(path), kwargs.get("subfolder") or ""
+    add_variant, variant = _modeling_utils()._add_variant, kwargs.get("variant")
     name = add_variant("diffusion_pytorch_model.safetensors", variant)
-    for candidate in (os.path.join(root, name), os.path.join(root, subfolder, name) if subfolder else None):
-        if candidate is not None and os.path.isfile(candidate):
-            return [candidate]
-    return []
-
-
-def _start_prefetch(ctx, args, kwargs):
-    """Read the files in background threads while mindone builds the model;
-    HF_ENABLE_PARALLEL_LOADING (read now, not at import) sets the thread count."""
-    workers = parallel_workers()
-    ctx.report.read_workers = workers
-    files = _local_checkpoint_files(args, kwargs)
-    if not files:
-        return None
-    prefetcher = Prefetcher([os.path.normpath(f) for f in files], workers=workers)
-    ctx.cache["prefetcher"] = prefetcher
-    return prefetcher
+    return local_checkpoint_files([
+        os.path.join(root, subfolder, add_variant("diffusion_pytorch_model.safetensors.index.json", variant)),
+        os.path.join(root, name),
+        os.path.join(root, subfolder, name) if subfolder else None,
+    ])
 
 
 def _read(ctx, path) -> dict:
     """Arrays of one file: taken from the prefetcher if it read it, else read now."""
     if ctx is None:
         return read_arrays(path)[0]
-    prefetcher = ctx.cache.get("prefetcher")
     with ctx.report.phase("read"):
-        taken = prefetcher.take(os.path.normpath(os.fspath(path))) if prefetcher is not None else None
-        arrays = taken[0] if taken is not None else read_arrays(path)[0]
+        arrays = take_or_read(ctx, path)[0]
     ctx.report.tensors_read += len(arrays)
     ctx.report.shards += 1
     ctx.cache.setdefault("keys_read", set()).update(arrays)  # checked against the index

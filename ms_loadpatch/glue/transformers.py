@@ -10,7 +10,7 @@ accelerated load is active in the calling thread.
 
 from __future__ import annotations
 
-import json
+import contextlib
 import logging
 import os
 import sys
@@ -22,8 +22,8 @@ from .. import core
 from ..strategy import context
 from ..strategy.assign import assign, cast_parameters, check_and_pair
 from ..strategy.construct import CONSTRUCTION_LOCK, initialize_unloaded, lazy_construction, state_index
-from ..strategy.prefetch import Prefetcher, parallel_workers
-from ..strategy.reader import CheckpointError, named_safetensors_error, read_arrays
+from ..strategy.prefetch import local_checkpoint_files, start_prefetch, take_or_read
+from ..strategy.reader import CheckpointError, named_safetensors_error
 from ..strategy.tensors import to_tensor
 
 logger = logging.getLogger("ms_loadpatch")
@@ -70,7 +70,7 @@ def _accelerated_from_pretrained(wrapped, instance, args, kwargs):
     report.technique = "lazy construction, set_data from owned read buffer, set_dtype cast"
     try:
         with context.activate(report) as ctx:
-            _start_prefetch(ctx, instance, args, kwargs)
+            start_prefetch(ctx, _local_checkpoint_files(args, kwargs))
             result = wrapped(*args, **kwargs)
             if not ctx.cache.get("load_done"):
                 model = result[0] if isinstance(result, tuple) else result
@@ -86,39 +86,18 @@ def _accelerated_from_pretrained(wrapped, instance, args, kwargs):
     return result
 
 
-def _local_checkpoint_files(cls, args, kwargs) -> list[str]:
-    """The safetensors files mindone will read for a local directory, in its
-    order; [] where that is not plain to see (hub ids, explicit file names)."""
+def _local_checkpoint_files(args, kwargs) -> list[str]:
+    """The safetensors files mindone will read for a local directory: the
+    single file first, then the index, as its _get_resolved_checkpoint_files."""
     path = args[0] if args else kwargs.get("pretrained_model_name_or_path")
     if not isinstance(path, (str, os.PathLike)) or kwargs.get("use_safetensors") is False:
         return []
     directory = os.path.join(os.fspath(path), kwargs.get("subfolder") or "")
-    if not os.path.isdir(directory):
-        return []
-    add_variant = _modeling_utils()._add_variant
-    variant = kwargs.get("variant")
-    single = os.path.join(directory, add_variant("model.safetensors", variant))
-    if os.path.isfile(single):
-        return [single]
-    index = os.path.join(directory, add_variant("model.safetensors.index.json", variant))
-    try:
-        with open(index) as f:
-            weight_map = json.load(f)["weight_map"]
-        return [os.path.join(directory, name) for name in sorted(set(weight_map.values()))]
-    except (OSError, ValueError, KeyError, TypeError, AttributeError):
-        return []  # mindone reads (and reports on) the index itself
-
-
-def _start_prefetch(ctx, cls, args, kwargs) -> None:
-    """Read the files in background threads while mindone builds the model."""
-    files = _local_checkpoint_files(cls, args, kwargs)
-    if not files:
-        return
-    workers = parallel_workers()
-    ctx.report.read_workers = workers
-    prefetcher = Prefetcher(files, workers=workers)
-    ctx.cleanup.callback(prefetcher.close)
-    ctx.cache["prefetcher"] = prefetcher
+    add_variant, variant = _modeling_utils()._add_variant, kwargs.get("variant")
+    return local_checkpoint_files([
+        os.path.join(directory, add_variant("model.safetensors", variant)),
+        os.path.join(directory, add_variant("model.safetensors.index.json", variant)),
+    ])
 
 
 def _name_the_file(exc, wrapped):
@@ -170,10 +149,8 @@ def load_state_dict(wrapped, instance, args, kwargs):
         logger.debug("ms_loadpatch: %s is not safetensors: left to mindone's load_state_dict", checkpoint_file)
         return wrapped(*args, **kwargs)  # not a format the fast reader knows: mindone decides
     ctx = context.current()
-    prefetcher = ctx.cache.get("prefetcher") if ctx is not None else None
-    with (ctx.report.phase("read") if ctx else _null()):
-        taken = prefetcher.take(checkpoint_file) if prefetcher is not None else None
-        arrays, metadata = taken if taken is not None else read_arrays(checkpoint_file)
+    with (ctx.report.phase("read") if ctx else contextlib.nullcontext()):
+        arrays, metadata = take_or_read(ctx, checkpoint_file)
     if metadata is not None and metadata.get("format") not in _SAFE_METADATA_FORMATS:
         raise OSError(
             f"The safetensors archive passed at {checkpoint_file} does not contain the valid metadata. Make sure "
@@ -335,11 +312,3 @@ def _initializer_for(cell, parents):
         if isinstance(owner, base):
             return owner._initialize_weights
     return None
-
-
-class _null:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False

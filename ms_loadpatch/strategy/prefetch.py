@@ -9,6 +9,7 @@ not hold every fp32 shard at once.
 
 from __future__ import annotations
 
+import json
 import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -29,7 +30,7 @@ def parallel_workers() -> int:
 
 class Prefetcher:
     def __init__(self, paths, workers: int = 1, ahead: int | None = None):
-        self._paths = [os.fspath(p) for p in paths]
+        self._paths = [os.path.normpath(os.fspath(p)) for p in paths]
         self._slots = threading.Semaphore(ahead if ahead is not None else workers + 1)
         self._closed = False
         self._pool = ThreadPoolExecutor(max_workers=max(1, workers), thread_name_prefix="ms_loadpatch-read")
@@ -46,7 +47,7 @@ class Prefetcher:
         """(arrays, metadata) of `path`, waiting for its read; None if `path`
         was not prefetched. A read error is raised here, where a sequential
         read would have raised it."""
-        future = self._futures.pop(os.fspath(path), None)
+        future = self._futures.pop(os.path.normpath(os.fspath(path)), None)
         if future is None:
             return None
         try:
@@ -64,3 +65,43 @@ class Prefetcher:
             self._slots.release()
         self._futures.clear()
         self._pool.shutdown(wait=True)
+
+
+def local_checkpoint_files(candidates) -> list[str]:
+    """The files a loader will read, given the paths it looks for in its own
+    order: the first that exists wins; an index (`*.index*.json`) stands for
+    the shards its weight_map names. [] when that is not plain to see: the
+    loader then reads (and reports on) the files itself. A wrong guess costs
+    a wasted read, never a wrong model: files are taken by path."""
+    for path in candidates:
+        if not path or not os.path.isfile(path):
+            continue
+        if not path.endswith(".json"):
+            return [os.path.normpath(path)]
+        try:
+            with open(path) as f:
+                shards = set(json.load(f)["weight_map"].values())
+            return [os.path.normpath(os.path.join(os.path.dirname(path), name)) for name in sorted(shards)]
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+            return []
+    return []
+
+
+def start_prefetch(ctx, files) -> Prefetcher | None:
+    """Read `files` in background threads for the load `ctx` (closed with it);
+    HF_ENABLE_PARALLEL_LOADING, read now, sets the thread count."""
+    workers = parallel_workers()
+    ctx.report.read_workers = workers
+    if not files:
+        return None
+    prefetcher = Prefetcher(files, workers=workers)
+    ctx.cleanup.callback(prefetcher.close)
+    ctx.cache["prefetcher"] = prefetcher
+    return prefetcher
+
+
+def take_or_read(ctx, path):
+    """(arrays, metadata) of `path`: the prefetched read if there is one, else read now."""
+    prefetcher = ctx.cache.get("prefetcher") if ctx is not None else None
+    taken = prefetcher.take(os.path.normpath(os.fspath(path))) if prefetcher is not None else None
+    return taken if taken is not None else read_arrays(path)
