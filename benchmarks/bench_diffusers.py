@@ -13,7 +13,6 @@ harness (ms_loadpatch.bench); the pipeline has its own child here.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import statistics
@@ -24,7 +23,7 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from ms_loadpatch import bench  # noqa: E402
 
-from common import bf16_copy, format_summary, summary_row  # noqa: E402
+from common import bench_main, bf16_copy, run_single  # noqa: E402
 
 # "full": UNet2DConditionModel 356M params (SD-like, narrower), Flux-style
 # 283M, pipeline = that UNet + an SD VAE (84M) + a CLIP-L-sized text encoder (123M).
@@ -218,38 +217,18 @@ def bench_pipeline(path, repeats, progress):
     return result
 
 
+def run_case(case, paths, args, progress):
+    source = case.rsplit("-as-", 1)[0]
+    if not case.startswith("pipeline"):
+        return run_single(case, paths[source], "bfloat16", args.repeats, progress, args.size)
+    result = bench_pipeline(paths[source], args.repeats, progress)
+    print(f"\n{case}: components loaded through the fast path: {result['patched']['reports']}")
+    return result
+
+
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--size", choices=SIZES, default="full")
-    parser.add_argument("--repeats", type=int, default=3, help="fresh processes per side and case (median)")
-    parser.add_argument("--cases", default=",".join(CASES), help=f"comma-separated subset of {', '.join(CASES)}")
-    parser.add_argument("--json", metavar="FILE", help="also write every result as JSON")
-    args = parser.parse_args(argv)
-    cases = [c for c in args.cases.split(",") if c]
-    unknown = set(cases) - set(CASES)
-    if unknown:
-        parser.error(f"unknown case(s): {', '.join(sorted(unknown))}")
-    progress = bench.Progress()
-    paths = generate(args.size, progress)
-    rows, results = [], {}
-    for case in cases:
-        source = case.rsplit("-as-", 1)[0]
-        if case.startswith("pipeline"):
-            result = bench_pipeline(paths[source], args.repeats, progress)
-            print(f"\n{case}: components loaded through the fast path: {result['patched']['reports']}")
-        else:
-            spec = bench.LoadSpec.resolve(paths[source], dtype="bfloat16")
-            result = bench.run_bench(spec, repeats=args.repeats, progress=progress)
-            print()
-            print(bench.format_table(result, f"{case}: {spec.class_name} ({args.size})"))
-        results[case] = result
-        rows.append(summary_row(case, result))
-    print()
-    print(format_summary(rows, "bf16-as-bf16 >= 2x and >= 30% less RSS; never slower; within 1.5x of the floor"))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"size": args.size, "results": results, "summary": rows}, f, indent=2)
-    return 0
+    return bench_main(argv, __doc__, SIZES, CASES, generate, run_case,
+                      "bf16-as-bf16 >= 2x and >= 30% less RSS; never slower; within 1.5x of the floor")
 
 
 if __name__ == "__main__":

@@ -12,15 +12,13 @@ where the dtype changes). Every weight is touched before the clock stops.
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from ms_loadpatch import bench  # noqa: E402
 
-from common import bf16_copy, format_summary, summary_row  # noqa: E402
+from common import bench_main, bf16_copy, run_single  # noqa: E402
 
 # "full": Qwen2-0.5B's real shape (494M parameters, 2 GB in fp32, 4 shards) and
 # a Mixtral-style MoE with 18.8k tensors (48 layers x 128 experts x 3 + attention).
@@ -64,34 +62,13 @@ def generate(size, progress):
     return {"qwen2-fp32": qwen2, "qwen2-bf16": bf16_copy(qwen2), "moe-fp32": moe}
 
 
+def run_case(case, paths, args, progress):
+    source, dtype = CASES[case]
+    return run_single(case, paths[source], dtype, args.repeats, progress, args.size)
+
+
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--size", choices=SIZES, default="full")
-    parser.add_argument("--repeats", type=int, default=3, help="fresh processes per side and case (median)")
-    parser.add_argument("--cases", default=",".join(CASES), help=f"comma-separated subset of {', '.join(CASES)}")
-    parser.add_argument("--json", metavar="FILE", help="also write every result as JSON")
-    args = parser.parse_args(argv)
-    cases = [c for c in args.cases.split(",") if c]
-    unknown = set(cases) - set(CASES)
-    if unknown:
-        parser.error(f"unknown case(s): {', '.join(sorted(unknown))}")
-    progress = bench.Progress()
-    paths = generate(args.size, progress)
-    rows, results = [], {}
-    for case in cases:
-        source, dtype = CASES[case]
-        spec = bench.LoadSpec.resolve(paths[source], dtype=dtype)
-        result = bench.run_bench(spec, repeats=args.repeats, progress=progress)
-        print()
-        print(bench.format_table(result, f"{case}: {spec.class_name} ({args.size})"))
-        results[case] = result
-        rows.append(summary_row(case, result))
-    print()
-    print(format_summary(rows, TARGETS))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"size": args.size, "results": results, "summary": rows}, f, indent=2)
-    return 0
+    return bench_main(argv, __doc__, SIZES, CASES, generate, run_case, TARGETS)
 
 
 if __name__ == "__main__":

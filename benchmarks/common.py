@@ -3,11 +3,13 @@ checkpoints, and the one-line-per-case summary table."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import struct
 
 import numpy as np
+from ms_loadpatch import bench
 
 
 def to_bf16_file(src, dst):
@@ -98,3 +100,40 @@ def format_summary(rows, targets: str = "") -> str:
     if targets:
         lines.append(f"targets: {targets}")
     return "\n".join(lines)
+
+
+def run_single(case, path, dtype, repeats, progress, size):
+    """One model checkpoint through the shared harness; prints its table."""
+    spec = bench.LoadSpec.resolve(path, dtype=dtype)
+    result = bench.run_bench(spec, repeats=repeats, progress=progress)
+    print()
+    print(bench.format_table(result, f"{case}: {spec.class_name} ({size})"))
+    return result
+
+
+def bench_main(argv, doc, sizes, cases, generate, run_case, targets) -> int:
+    """The command line of a benchmark script: pick size, repeats and cases,
+    generate the checkpoints, run `run_case(case, paths, args, progress)` for
+    each, print the summary (and JSON)."""
+    parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--size", choices=sizes, default="full")
+    parser.add_argument("--repeats", type=int, default=3, help="fresh processes per side and case (median)")
+    parser.add_argument("--cases", default=",".join(cases), help=f"comma-separated subset of {', '.join(cases)}")
+    parser.add_argument("--json", metavar="FILE", help="also write every result as JSON")
+    args = parser.parse_args(argv)
+    selected = [c for c in args.cases.split(",") if c]
+    unknown = set(selected) - set(cases)
+    if unknown:
+        parser.error(f"unknown case(s): {', '.join(sorted(unknown))}")
+    progress = bench.Progress()
+    paths = generate(args.size, progress)
+    rows, results = [], {}
+    for case in selected:
+        results[case] = run_case(case, paths, args, progress)
+        rows.append(summary_row(case, results[case]))
+    print()
+    print(format_summary(rows, targets))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"size": args.size, "results": results, "summary": rows}, f, indent=2)
+    return 0

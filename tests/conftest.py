@@ -27,3 +27,21 @@ def report_of(proc):
 @pytest.fixture
 def python_proc():
     return run_python
+
+
+@pytest.fixture
+def cpu_kernels():
+    """Kernels missing from the CPU wheel routed to equivalent ops (both sides of a comparison)."""
+    from ms_loadpatch.testing import cpu_kernel_fallbacks
+
+    with cpu_kernel_fallbacks():
+        yield
+
+
+@pytest.fixture
+def plugin_enabled():
+    """The plugin on for the test, whatever the session's state; restored after."""
+    import ms_loadpatch
+
+    with ms_loadpatch.enabled():
+        yield

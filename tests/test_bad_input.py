@@ -97,16 +97,7 @@ def raised(call):
     pytest.fail(f"no exception: returned {type(result).__name__}")
 
 
-@pytest.fixture(autouse=True)
-def _cpu_kernels():
-    with cpu_kernel_fallbacks():
-        yield
-
-
-@pytest.fixture(autouse=True)
-def _plugin_enabled():
-    with ms_loadpatch.enabled():
-        yield
+pytestmark = pytest.mark.usefixtures("cpu_kernels", "plugin_enabled")
 
 
 # -- checkpoints (once per module) and ways to break them

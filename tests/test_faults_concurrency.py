@@ -54,16 +54,7 @@ SPECS = {
 TRANSFORMERS = ["qwen2", "llama", "bert", "gpt2", "t5"]
 
 
-@pytest.fixture(autouse=True)
-def _cpu_kernels():
-    with cpu_kernel_fallbacks():
-        yield
-
-
-@pytest.fixture(autouse=True)
-def _plugin_enabled():
-    with ms_loadpatch.enabled():
-        yield
+pytestmark = pytest.mark.usefixtures("cpu_kernels", "plugin_enabled")
 
 
 @pytest.fixture(scope="module")

@@ -60,10 +60,7 @@ LAYOUTS = {
 TARGETS = {"none": None, "float16": ms.float16, "bfloat16": ms.bfloat16, "float32": ms.float32}
 
 
-@pytest.fixture(autouse=True)
-def _cpu_kernels():
-    with cpu_kernel_fallbacks():
-        yield
+pytestmark = pytest.mark.usefixtures("cpu_kernels")
 
 
 @pytest.fixture(scope="module")

@@ -36,6 +36,7 @@ import wrapt
 from mindspore import ops
 
 from .. import core
+from . import overridden_method
 from ..strategy import context
 from ..strategy.assign import cast_parameters
 from ..strategy.construct import CONSTRUCTION_LOCK, lazy_construction
@@ -83,13 +84,7 @@ def _fallback_reason(cls, kwargs) -> str | None:
     base = _modeling_utils().ModelMixin
     if not (isinstance(cls, type) and issubclass(cls, base)):
         return "not called on a ModelMixin class"
-    for klass in cls.__mro__:
-        if klass is base:
-            break
-        for name in _LOADING_PATH:
-            if name in vars(klass):
-                return f"{klass.__name__} overrides {name}"
-    return None
+    return overridden_method(cls, base, _LOADING_PATH)
 
 
 # -- entry points (targets.TARGETS)

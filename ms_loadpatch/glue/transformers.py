@@ -19,6 +19,7 @@ import mindspore as ms
 import wrapt
 
 from .. import core
+from . import overridden_method
 from ..strategy import context
 from ..strategy.assign import assign, cast_parameters, check_and_pair
 from ..strategy.construct import CONSTRUCTION_LOCK, initialize_unloaded, lazy_construction, state_index
@@ -42,14 +43,7 @@ def _fallback_reason(cls, kwargs) -> str | None:
         return "TF / Flax checkpoints"
     if kwargs.get("state_dict") is not None:
         return "a state_dict passed by the caller (its tensors must not be aliased)"
-    base = _modeling_utils().PreTrainedModel
-    for klass in cls.__mro__:
-        if klass is base:
-            break
-        for name in _LOADING_PATH:
-            if name in vars(klass):
-                return f"{klass.__name__} overrides {name}"
-    return None
+    return overridden_method(cls, _modeling_utils().PreTrainedModel, _LOADING_PATH)
 
 
 # -- entry points (targets.TARGETS)

@@ -37,8 +37,8 @@ _UNSUPPORTED_DTYPES = frozenset(
 _TENSOR_FIELDS = ("dtype", "shape", "data_offsets")
 
 
-class CheckpointError(OSError):
-    """A checkpoint file that cannot be read. An OSError, as unpatched mindone raises."""
+class _FileProblem:
+    """path, key (or None) and problem, in one message naming them."""
 
     def __init__(self, path, problem: str, key: str | None = None):
         self.path = os.fspath(path)
@@ -46,6 +46,10 @@ class CheckpointError(OSError):
         self.problem = problem
         where = f"tensor {key!r} of " if key is not None else ""
         super().__init__(f"Cannot load {where}checkpoint file {self.path}: {problem}")
+
+
+class CheckpointError(_FileProblem, OSError):
+    """A checkpoint file that cannot be read. An OSError, as unpatched mindone raises."""
 
 
 class CheckpointNotFoundError(CheckpointError, FileNotFoundError):
@@ -297,16 +301,9 @@ def parse_header(path, file_size: int, head: bytes) -> SafetensorsHeader:
     return SafetensorsHeader(path, header_len, entries, metadata)
 
 
-class SafetensorsFileError(SafetensorError):
+class SafetensorsFileError(_FileProblem, SafetensorError):
     """The safetensors library's error for a file (the type mindone's own
     check raises), naming the file and saying what is wrong in plain words."""
-
-    def __init__(self, path, problem: str, key: str | None = None):
-        self.path = os.fspath(path)
-        self.key = key
-        self.problem = problem
-        where = f"tensor {key!r} of " if key is not None else ""
-        super().__init__(f"Cannot load {where}checkpoint file {self.path}: {problem}")
 
 
 def named_safetensors_error(path, original: Exception) -> SafetensorsFileError | None:
