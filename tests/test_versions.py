@@ -1,0 +1,257 @@
+"""The version gate and the per-version technique.
+
+Simulated versions and simulated missing features here; the real versions
+are run by `.ci/matrix` (the tests marked `matrix` below check the installed
+mindspore itself: it gets the fast path, or the gate refuses it cleanly)."""
+
+import json
+import logging
+import os
+import sys
+import textwrap
+
+import pytest
+from packaging.requirements import Requirement
+from packaging.version import Version
+
+from conftest import report_of, run_python
+from ms_loadpatch import core, versions
+from ms_loadpatch.targets import TARGETS
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TF_FROM_PRETRAINED = "mindone.transformers.modeling_utils:PreTrainedModel.from_pretrained"
+
+
+@pytest.fixture
+def fresh_techniques():
+    versions.techniques.cache_clear()
+    yield
+    versions.techniques.cache_clear()
+
+
+def _fake_versions(monkeypatch, fake):
+    real = versions.installed_version
+    monkeypatch.setattr(versions, "installed_version", lambda d: Version(fake[d]) if d in fake else real(d))
+
+
+# -- ranges
+
+
+@pytest.mark.parametrize("version,accepted", [
+    ("2.6.0", False), ("2.7.0", True), ("2.7.1", True), ("2.7.1.post1", True), ("2.7.2", True),
+    ("2.8.0", True), ("2.9.0", True), ("2.9.1", True), ("2.10.0", False), ("2.11.0", False), ("3.0.0", False),
+])
+def test_mindspore_range(monkeypatch, version, accepted):
+    _fake_versions(monkeypatch, {"mindspore": version, "mindone": "0.5.0"})
+    result = versions.check()
+    assert result.ok is accepted
+    if not accepted:
+        assert result.refusal.startswith(
+            f"mindspore {version} is outside the supported range {versions.SUPPORTED['mindspore']}")
+
+
+def test_refusal_of_2_10_says_why(monkeypatch):
+    # the matrix: mindone.transformers models resolve `to` to mindspore 2.10's new
+    # nn.Cell.to, not the patched ModuleUtilsMixin.to; the patched load crashed
+    _fake_versions(monkeypatch, {"mindspore": "2.10.0", "mindone": "0.5.0"})
+    assert "adds nn.Cell.to" in versions.check().refusal
+    _fake_versions(monkeypatch, {"mindspore": "2.6.0", "mindone": "0.5.0"})
+    assert versions.check().refusal == "mindspore 2.6.0 is outside the supported range " + str(
+        versions.SUPPORTED["mindspore"])
+
+
+def test_tested_versions_cover_the_range_edges():
+    """The matrix runs the first and last supported minor and the first refused one."""
+    tested = [Version(v) for v in versions.TESTED["mindspore"]]
+    supported = [v for v in tested if versions.SUPPORTED["mindspore"].contains(v)]
+    assert min(supported) == Version("2.7.0")
+    assert any(not versions.SUPPORTED["mindspore"].contains(v) and v > max(supported) for v in tested)
+
+
+def test_tested_mindone_is_supported():
+    assert versions.TESTED["mindone"]
+    for version in versions.TESTED["mindone"]:
+        assert versions.SUPPORTED["mindone"].contains(Version(version)), version
+
+
+def test_pyproject_declares_the_supported_ranges():
+    pyproject = os.path.join(REPO, "pyproject.toml")
+    if not os.path.exists(pyproject):
+        pytest.skip("tests run outside the source tree")
+    import tomllib
+
+    with open(pyproject, "rb") as f:
+        dependencies = [Requirement(r) for r in tomllib.load(f)["project"]["dependencies"]]
+    declared = {r.name: r.specifier for r in dependencies}
+    for distribution, specifier in versions.SUPPORTED.items():
+        assert declared[distribution] == specifier, distribution
+
+
+# -- feature probes: a mindspore lacking what the strategy uses gets mindone's own path
+
+
+def test_all_features_present_by_default(fresh_techniques):
+    import mindspore as ms
+
+    if not versions.check().ok:
+        pytest.skip("refused by the gate")
+    chosen = versions.techniques()
+    assert chosen.problems == () and chosen.refusal is None
+    assert chosen.mindspore == ms.__version__
+    assert (chosen.assign, chosen.cast, chosen.construct) == (
+        "Parameter.set_data", "Tensor.set_dtype", "nn.utils.no_init_parameters")
+
+
+def _drop_no_init(monkeypatch):
+    import mindspore.nn.utils
+
+    monkeypatch.delattr(mindspore.nn.utils, "no_init_parameters")
+
+
+def _drop_set_data(monkeypatch):
+    import mindspore as ms
+
+    monkeypatch.setattr(ms.Parameter, "set_data", None)
+
+
+def _drop_set_dtype(monkeypatch):
+    import mindspore as ms
+
+    monkeypatch.setattr(ms.Tensor, "set_dtype", None)
+
+
+def _drop_from_numpy(monkeypatch):
+    import mindspore as ms
+
+    monkeypatch.setattr(ms.Tensor, "from_numpy", None)
+
+
+def _drop_bfloat16(monkeypatch):
+    from mindspore.common import np_dtype
+
+    monkeypatch.delattr(np_dtype, "bfloat16")
+
+
+def _cell_gets_to(monkeypatch):
+    import mindspore as ms
+
+    monkeypatch.setattr(ms.nn.Cell, "to", lambda self, *args, **kwargs: self, raising=False)
+
+
+def _invalid_bfloat16(monkeypatch):
+    from mindspore.common import np_dtype
+
+    monkeypatch.setattr(np_dtype, "np_dtype_valid", lambda warn: False)
+
+
+def _bfloat16_maps_elsewhere(monkeypatch):
+    import mindspore as ms
+    import numpy as np
+
+    real = ms.Tensor.from_numpy
+    monkeypatch.setattr(ms.Tensor, "from_numpy", staticmethod(lambda a: real(np.asarray(a, dtype=np.float32))))
+
+
+@pytest.mark.parametrize("simulate,expected", [
+    (_drop_no_init, "lacks mindspore.nn.utils.no_init_parameters"),
+    (_drop_set_data, "lacks Parameter.set_data"),
+    (_drop_set_dtype, "lacks Tensor.set_dtype"),
+    (_drop_from_numpy, "lacks Tensor.from_numpy"),
+    (_drop_bfloat16, "lacks mindspore.common.np_dtype.bfloat16"),
+    (_invalid_bfloat16, "lacks a usable mindspore.common.np_dtype.bfloat16"),
+    (_bfloat16_maps_elsewhere, "Tensor.from_numpy(np_dtype.bfloat16 array) gives Float32, not BFloat16"),
+    (_cell_gets_to, "nn.Cell.to shadows mindone's ModuleUtilsMixin.to"),
+])
+def test_unusable_mindspore_is_reported(monkeypatch, fresh_techniques, simulate, expected):
+    simulate(monkeypatch)
+    chosen = versions.techniques()
+    assert any(item.startswith(expected) for item in chosen.problems), chosen.problems
+    assert chosen.refusal.startswith(f"mindspore {chosen.mindspore} cannot take the fast path: ")
+
+
+def test_unusable_mindspore_skips_every_target(monkeypatch, fresh_techniques, caplog):
+    import mindone.transformers.modeling_utils as mu
+
+    before = mu.PreTrainedModel.__dict__["from_pretrained"]  # as the process-wide patcher left it
+    _drop_no_init(monkeypatch)
+    versions.techniques.cache_clear()  # importing mindone above probed the complete mindspore
+    patcher = core._Patcher(TARGETS)  # a private instance: the process-wide one stays as it is
+    with caplog.at_level(logging.WARNING, logger="ms_loadpatch"):
+        assert patcher.enable() is True  # versions are fine; the targets cannot be applied
+    try:
+        rows = {row["target"]: row for row in patcher.status()["targets"]}
+        assert rows[TF_FROM_PRETRAINED]["state"] == "skipped"
+        assert "lacks mindspore.nn.utils.no_init_parameters" in rows[TF_FROM_PRETRAINED]["reason"]
+        assert not patcher._handles
+        assert mu.PreTrainedModel.__dict__["from_pretrained"] is before
+        warnings = [r for r in caplog.records if "lacks" in r.getMessage()]
+        assert len(warnings) == 1, "one warning, not one per target"
+    finally:
+        patcher.disable()
+
+
+# -- the installed mindspore, as .ci/matrix runs it on each version
+
+
+@pytest.mark.matrix
+def test_installed_mindspore_gets_the_fast_path(fresh_techniques):
+    gate = versions.check()
+    if not gate.ok:
+        pytest.skip(f"refused by the gate: {gate.refusal} (test_refused_version_is_clean covers it)")
+    import mindspore as ms
+    import numpy as np
+    from mindspore.common import np_dtype
+    from mindspore.common.initializer import initializer
+    from mindspore.nn.utils import no_init_parameters
+
+    assert gate.versions["mindspore"] == ms.__version__
+    chosen = versions.techniques()
+    assert chosen.problems == (), chosen.problems
+    # the behaviour the strategy relies on, by value: set_data on a lazy
+    # parameter really loads it (other ways report success and stay lazy)
+    values = np.arange(6, dtype=np.float32).reshape(2, 3) / 7
+    for source, dtype in ((values, ms.float32), (values.astype(np_dtype.bfloat16), ms.bfloat16)):
+        with no_init_parameters():
+            param = ms.Parameter(initializer("normal", (2, 3), ms.float32), name="w")
+        assert param.has_init
+        if dtype != param.dtype:
+            param.set_dtype(dtype)  # metadata only on a lazy parameter
+        tensor = ms.Tensor.from_numpy(source)
+        assert tensor.dtype == dtype
+        param.set_data(tensor)
+        assert not param.has_init and param.dtype == dtype
+        expected = source.astype(np.float32)
+        assert np.array_equal(param.astype(ms.float32).asnumpy(), expected)
+        assert np.array_equal(param.astype(ms.float32).asnumpy(), expected), "value changed at second use"
+
+
+REFUSAL_PROBE = textwrap.dedent(
+    """
+    import json, sys
+    import ms_loadpatch
+    enabled = ms_loadpatch.enable()
+    imported = None
+    try:
+        import mindone.transformers.modeling_utils as mu
+        from_pretrained = mu.PreTrainedModel.__dict__["from_pretrained"]
+        imported = type(from_pretrained).__module__.split(".")[0] != "wrapt"
+    except Exception as exc:  # mindone itself may not work with this mindspore
+        imported = f"mindone import failed: {type(exc).__name__}"
+    print("REPORT", json.dumps({"enabled": enabled, "unpatched": imported, "status": ms_loadpatch.status()}))
+    """
+)
+
+
+@pytest.mark.matrix
+def test_refused_version_is_clean():
+    gate = versions.check()
+    if gate.ok:
+        pytest.skip(f"accepted by the gate: {gate.versions}")
+    proc = run_python(REFUSAL_PROBE)
+    report = report_of(proc)
+    assert report["enabled"] is False
+    status = report["status"]
+    assert status["enabled"] is False and status["refusal"] == gate.refusal
+    assert all(row["state"] == "skipped" and row["reason"].startswith("refused: ") for row in status["targets"])
+    assert report["unpatched"] is not False, "a refused version must leave mindone untouched"
+    assert proc.stderr.count("ms_loadpatch is not applied") == 1, proc.stderr[-2000:]
