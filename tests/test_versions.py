@@ -99,7 +99,8 @@ def test_all_features_present_by_default(fresh_techniques):
     assert chosen.problems == () and chosen.refusal is None
     assert chosen.mindspore == ms.__version__
     assert (chosen.assign, chosen.cast, chosen.construct) == (
-        "Parameter.set_data", "Tensor.set_dtype", "nn.utils.no_init_parameters")
+        "Parameter.set_data", "Tensor.set_dtype",
+        "Parameter.init_param scoped to the building thread (no_init_parameters' flag)")
 
 
 def _drop_no_init(monkeypatch):
