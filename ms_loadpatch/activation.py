@@ -15,8 +15,13 @@ ON_VALUES = frozenset({"1", "true", "on", "yes"})
 OFF_VALUES = frozenset({"0", "false", "off", "no"})
 
 
-def env_value() -> str:
-    return os.environ.get(ENV_VAR, "").strip().lower()
+def env_value(name: str = ENV_VAR) -> str:
+    return os.environ.get(name, "").strip().lower()
+
+
+def env_flag(name: str) -> bool:
+    """Whether environment variable `name` is set to an on value."""
+    return env_value(name) in ON_VALUES
 
 
 def switched_off() -> bool:
@@ -24,4 +29,4 @@ def switched_off() -> bool:
 
 
 def switched_on() -> bool:
-    return env_value() in ON_VALUES
+    return env_flag(ENV_VAR)

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 import threading
 import time
+
+from ..activation import env_flag
 
 logger = logging.getLogger("ms_loadpatch.report")
 REPORT_ENV_VAR = "MS_LOADPATCH_REPORT"
@@ -60,7 +61,7 @@ def last_report() -> LoadReport | None:
 
 
 def report_requested() -> bool:
-    return os.environ.get(REPORT_ENV_VAR, "").strip().lower() in ("1", "true", "on", "yes")
+    return env_flag(REPORT_ENV_VAR)
 
 
 _handler_lock = threading.Lock()

@@ -14,13 +14,14 @@ import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
+from ..activation import env_flag
 from .reader import read_arrays
 
 
 def parallel_workers() -> int:
     """HF_ENABLE_PARALLEL_LOADING / HF_PARALLEL_LOADING_WORKERS, read at call
     time (mindone reads the flag once, at import)."""
-    if os.environ.get("HF_ENABLE_PARALLEL_LOADING", "").strip().lower() not in ("1", "true", "yes", "on"):
+    if not env_flag("HF_ENABLE_PARALLEL_LOADING"):
         return 1
     try:
         return max(1, int(os.environ.get("HF_PARALLEL_LOADING_WORKERS", "8")))
