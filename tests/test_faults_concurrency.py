@@ -119,10 +119,10 @@ def test_fault_during_reading(models, monkeypatch, parallel):
     real = reader.read_arrays
     victim = sorted(p.name for p in (models["root"] / "qwen2").iterdir() if p.name.endswith(".safetensors"))[-1]
 
-    def failing(path):
+    def failing(path, *args):
         if os.path.basename(path) == victim:
             raise OSError(f"injected read failure: {path}")
-        return real(path)
+        return real(path, *args)
 
     # files are read ahead by the prefetcher, or read on demand by prefetch.take_or_read
     monkeypatch.setattr(prefetch, "read_arrays", failing)

@@ -15,7 +15,7 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 
 from ..activation import env_flag
-from .reader import read_arrays
+from .reader import background_read_threads, read_arrays
 
 
 def parallel_workers() -> int:
@@ -34,6 +34,9 @@ class Prefetcher:
         self._paths = [os.path.normpath(os.fspath(p)) for p in paths]
         self._slots = threading.Semaphore(ahead if ahead is not None else workers + 1)
         self._closed = False
+        # Until the caller first waits for a file it is busy (building the
+        # model, the critical path): reads leave it a core. Then they use all.
+        self._caller_busy = True
         self._pool = ThreadPoolExecutor(max_workers=max(1, workers), thread_name_prefix="ms_loadpatch-read")
         self._futures = {path: self._pool.submit(self._read, path) for path in self._paths}
 
@@ -42,12 +45,13 @@ class Prefetcher:
         if self._closed:
             self._slots.release()
             return None
-        return read_arrays(path)
+        return read_arrays(path, background_read_threads() if self._caller_busy else None)
 
     def take(self, path):
         """(arrays, metadata) of `path`, waiting for its read; None if `path`
         was not prefetched. A read error is raised here, where a sequential
         read would have raised it."""
+        self._caller_busy = False
         future = self._futures.pop(os.path.normpath(os.fspath(path)), None)
         if future is None:
             return None

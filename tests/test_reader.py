@@ -1,0 +1,126 @@
+"""The reader's data path: one file read in several threads (chunks), reads
+the kernel returns short, a file that ends early. Test checkpoints are far
+below the size where the chunked read starts (PARALLEL_READ_MIN_BYTES), so
+these tests lower it and the chunk alignment: chunk borders then fall
+inside tensors, the case a wrong offset would corrupt.
+"""
+
+import os
+
+import mindspore as ms
+import numpy as np
+import pytest
+from safetensors.numpy import load_file, save_file
+
+import mindone.transformers as mt
+import transformers as hf
+from ms_loadpatch.strategy import reader
+from ms_loadpatch.strategy.reader import CheckpointError, read_arrays
+from ms_loadpatch.testing import assert_same_model, load_both, write_random_checkpoint
+
+
+@pytest.fixture
+def chunked(monkeypatch):
+    """Every read split into chunks of (a multiple of) 64 bytes."""
+    monkeypatch.setattr(reader, "PARALLEL_READ_MIN_BYTES", 0)
+    monkeypatch.setattr(reader, "_ALIGN", 64)
+
+
+@pytest.fixture
+def odd_file(tmp_path):
+    """Tensors of several dtypes and odd sizes, so tensor borders and chunk borders do not line up."""
+    rng = np.random.default_rng(0)
+    tensors = {
+        "a": rng.standard_normal((37, 11)).astype(np.float32),
+        "b": rng.integers(-(2**62), 2**62, size=(129,), dtype=np.int64),
+        "c": rng.standard_normal((3, 5, 7)).astype(np.float16),
+        "d": rng.integers(0, 255, size=(1001,), dtype=np.uint8),
+        "e": rng.standard_normal((256, 33)).astype(np.float64),
+    }
+    path = str(tmp_path / "odd.safetensors")
+    save_file(tensors, path, metadata={"format": "np"})
+    return path
+
+
+def _assert_as_safetensors_reads(path):
+    expected = load_file(path)
+    arrays, metadata = read_arrays(path)
+    assert metadata == {"format": "np"}
+    assert set(arrays) == set(expected)
+    for name, array in expected.items():
+        got = arrays[name]
+        assert got.dtype == array.dtype and got.shape == array.shape, name
+        assert got.tobytes() == array.tobytes(), name
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3, 8])
+def test_chunked_read_matches_safetensors(chunked, odd_file, monkeypatch, threads):
+    monkeypatch.setattr(reader, "read_threads", lambda: threads)
+    _assert_as_safetensors_reads(odd_file)
+
+
+def test_short_reads_are_continued(chunked, odd_file, monkeypatch):
+    """One read(2) returns at most about 2 GiB on Linux, so a large shard
+    always comes in several reads; here every read returns at most 777 bytes."""
+    real = os.preadv
+    calls = []
+
+    def short_preadv(fd, buffers, offset):
+        (view,) = buffers
+        calls.append(offset)
+        return real(fd, [view[:777]], offset)
+
+    monkeypatch.setattr(reader.os, "preadv", short_preadv)
+    _assert_as_safetensors_reads(odd_file)
+    assert len(calls) > os.path.getsize(odd_file) // 777  # really read in pieces
+
+
+def test_without_preadv_reads_in_one_thread(chunked, odd_file, monkeypatch):
+    """Platforms without os.preadv (Windows) take the seek-and-read path."""
+    monkeypatch.delattr(reader.os, "preadv")
+    monkeypatch.setattr(reader, "ThreadPoolExecutor", None)  # would fail if a pool were started
+    _assert_as_safetensors_reads(odd_file)
+
+
+@pytest.mark.parametrize("threads", [1, 3])
+def test_file_ending_early_in_a_chunk_is_refused(chunked, odd_file, monkeypatch, threads):
+    """A file that shrinks after its header was checked (rewritten while
+    being loaded): the read comes back short in one chunk; refused, naming
+    the file and how much arrived, whichever chunk ends early."""
+    monkeypatch.setattr(reader, "read_threads", lambda: threads)
+    header = reader.read_header(odd_file)
+    end = os.path.getsize(odd_file)
+    cut = header.data_start + 1000  # inside the first chunk when there are several
+    real = os.preadv
+
+    def ends_at_cut(fd, buffers, offset):
+        (view,) = buffers
+        if offset >= cut:
+            return 0
+        return real(fd, [view[: cut - offset]], offset)
+
+    monkeypatch.setattr(reader.os, "preadv", ends_at_cut)
+    with pytest.raises(CheckpointError) as raised:
+        read_arrays(odd_file)
+    assert raised.value.path == odd_file
+    assert f"read 1000 of {end - header.data_start} data bytes" in str(raised.value)
+
+
+def test_patched_load_with_chunked_reads_is_identical(chunked, tmp_path, cpu_kernels, monkeypatch):
+    """The whole from_pretrained path with the shards read in chunks."""
+    chunk_reads = []
+    real = reader._pread_into
+    monkeypatch.setattr(reader, "_pread_into",
+                        lambda fd, view, offset: chunk_reads.append(offset) or real(fd, view, offset))
+    config = hf.Qwen2Config(vocab_size=512, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                            num_key_value_heads=2, intermediate_size=96, tie_word_embeddings=False)
+    directory = write_random_checkpoint(mt.Qwen2ForCausalLM, config, str(tmp_path / "qwen2"),
+                                        max_shard_bytes=150_000)
+    shards = [f for f in os.listdir(directory) if f.endswith(".safetensors")]
+    assert len(shards) > 2
+    for dtype in (None, ms.bfloat16):
+        kwargs = {"dtype": dtype} if dtype is not None else {}
+        chunk_reads.clear()
+        reference, accelerated = load_both(lambda: mt.Qwen2ForCausalLM.from_pretrained(directory, **kwargs))
+        assert_same_model(reference, accelerated)
+        assert len(chunk_reads) > len(shards)  # some file really came in chunks
