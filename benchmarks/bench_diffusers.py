@@ -161,15 +161,17 @@ else:
 import mindspore as ms
 from mindspore import nn
 from mindone.diffusers import DiffusionPipeline
-from ms_loadpatch._child import _max_rss_bytes, touch_all
+from ms_loadpatch._child import _max_rss_bytes, _reset_peak_rss, prime_memory, touch_all
 from ms_loadpatch.strategy import context
 from ms_loadpatch.testing import cpu_kernel_fallbacks
 reports = []
 emit = context._emit
 context._emit = lambda report: (reports.append(report.as_dict()), emit(report))
-path, dtype = sys.argv[1], getattr(ms, sys.argv[2])
-rss_before = _max_rss_bytes()
+path, dtype, prime = sys.argv[1], getattr(ms, sys.argv[2]), int(sys.argv[3])
 with cpu_kernel_fallbacks():
+    prime_memory(prime)
+    _reset_peak_rss()
+    rss_before = _max_rss_bytes()
     start = time.perf_counter()
     pipe = DiffusionPipeline.from_pretrained(path, mindspore_dtype=dtype)
     for component in pipe.components.values():
@@ -181,8 +183,8 @@ print("RESULT " + json.dumps({"seconds": seconds, "peak_rss_bytes": _max_rss_byt
 """
 
 
-def measure_pipeline(path, mode, dtype="bfloat16"):
-    proc = subprocess.run([sys.executable, "-c", _PIPELINE_CHILD, path, dtype], env=bench.child_env(mode),
+def measure_pipeline(path, mode, prime, dtype="bfloat16"):
+    proc = subprocess.run([sys.executable, "-c", _PIPELINE_CHILD, path, dtype, str(prime)], env=bench.child_env(mode),
                           capture_output=True, text=True)
     for line in proc.stdout.splitlines():
         if line.startswith("RESULT "):
@@ -190,20 +192,22 @@ def measure_pipeline(path, mode, dtype="bfloat16"):
     raise bench.ChildError(f"pipeline load ({mode}) failed, exit {proc.returncode}", stderr=proc.stderr)
 
 
-def bench_pipeline(path, repeats, progress):
+def bench_pipeline(path, repeats, progress, memory):
     models = ("unet", "vae", "text_encoder")
+    specs = [bench.LoadSpec.resolve(path, subfolder=name) for name in models]
+    prime = sum(bench.prime_bytes(spec, memory) for spec in specs)
     floors = {"read_seconds": 0.0, "construct_seconds": 0.0, "read_bytes": 0}
     with bench._step(progress, "pipeline floors: read every byte, construct without init (per component)"):
-        for name in models:
-            floor = bench.measure_floors(bench.LoadSpec.resolve(path, subfolder=name))
+        for spec in specs:
+            floor = bench.measure_floors(spec, prime=bench.prime_bytes(spec, memory))
             for key in floors:
                 floors[key] += floor[key]
     runs = {"unpatched": [], "patched": []}
     for i in range(repeats):
         for mode in runs:
             with bench._step(progress, f"pipeline {mode} load {i + 1}/{repeats}"):
-                runs[mode].append(measure_pipeline(path, mode))
-    result = {"floors": floors, "repeats": repeats}
+                runs[mode].append(measure_pipeline(path, mode, prime))
+    result = {"floors": floors, "repeats": repeats, "memory": memory}
     for mode, mode_runs in runs.items():
         result[mode] = {
             "seconds": [r["seconds"] for r in mode_runs],
@@ -220,8 +224,8 @@ def bench_pipeline(path, repeats, progress):
 def run_case(case, paths, args, progress):
     source = case.rsplit("-as-", 1)[0]
     if not case.startswith("pipeline"):
-        return run_single(case, paths[source], "bfloat16", args.repeats, progress, args.size)
-    result = bench_pipeline(paths[source], args.repeats, progress)
+        return run_single(case, paths[source], "bfloat16", args, progress)
+    result = bench_pipeline(paths[source], args.repeats, progress, args.memory)
     print(f"\n{case}: components loaded through the fast path: {result['patched']['reports']}")
     return result
 

@@ -64,7 +64,7 @@ def generate(size, progress):
 
 def run_case(case, paths, args, progress):
     source, dtype = CASES[case]
-    return run_single(case, paths[source], dtype, args.repeats, progress, args.size)
+    return run_single(case, paths[source], dtype, args, progress)
 
 
 def main(argv=None) -> int:

@@ -102,12 +102,12 @@ def format_summary(rows, targets: str = "") -> str:
     return "\n".join(lines)
 
 
-def run_single(case, path, dtype, repeats, progress, size):
+def run_single(case, path, dtype, args, progress):
     """One model checkpoint through the shared harness; prints its table."""
     spec = bench.LoadSpec.resolve(path, dtype=dtype)
-    result = bench.run_bench(spec, repeats=repeats, progress=progress)
+    result = bench.run_bench(spec, repeats=args.repeats, progress=progress, memory=args.memory)
     print()
-    print(bench.format_table(result, f"{case}: {spec.class_name} ({size})"))
+    print(bench.format_table(result, f"{case}: {spec.class_name} ({args.size})"))
     return result
 
 
@@ -120,6 +120,9 @@ def bench_main(argv, doc, sizes, cases, generate, run_case, targets) -> int:
     parser.add_argument("--repeats", type=int, default=3, help="fresh processes per side and case (median)")
     parser.add_argument("--cases", default=",".join(cases), help=f"comma-separated subset of {', '.join(cases)}")
     parser.add_argument("--json", metavar="FILE", help="also write every result as JSON")
+    parser.add_argument("--memory", choices=bench.MEMORY_MODES, default="primed",
+                        help="primed (default): fault in and free memory before each timed part, in every process; "
+                             "as-is: count this VM's first-touch cost of fresh memory (about 2 s/GB)")
     args = parser.parse_args(argv)
     selected = [c for c in args.cases.split(",") if c]
     unknown = set(selected) - set(cases)
@@ -133,7 +136,8 @@ def bench_main(argv, doc, sizes, cases, generate, run_case, targets) -> int:
         rows.append(summary_row(case, results[case]))
     print()
     print(format_summary(rows, targets))
+    print(f"memory: {args.memory} (--memory; primed = every timed part starts on memory the host backs)")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"size": args.size, "results": results, "summary": rows}, f, indent=2)
+            json.dump({"size": args.size, "memory": args.memory, "results": results, "summary": rows}, f, indent=2)
     return 0

@@ -22,8 +22,26 @@ from .bench import LoadSpec, UsageError, _version
 
 
 def _max_rss_bytes() -> int:
+    """Peak RSS since start, or since the last _reset_peak_rss()."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return rss if sys.platform == "darwin" else rss * 1024  # Linux reports KiB
+
+
+def _reset_peak_rss() -> bool:
+    """Set the peak to the current RSS (Linux >= 4.0); False where that is not possible."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
 
 
 def _versions() -> dict:
@@ -82,6 +100,29 @@ def touch_all(model) -> int:
     return total
 
 
+def prime_memory(nbytes: int) -> None:
+    """Fault in, then free, `nbytes` of memory: the allocations right after
+    reuse pages the host still backs. On a VM that hands freed memory back
+    to the host (free page reporting), first-touch costs about 2 s/GB, an
+    artefact of the machine that would otherwise swamp every load time."""
+    if nbytes <= 0:
+        return
+    if not _reset_peak_rss():
+        raise UsageError("--memory primed needs /proc/self/clear_refs (Linux) to keep priming out of peak RSS; "
+                         "use --memory as-is")
+    from concurrent.futures import ThreadPoolExecutor
+
+    from .strategy.reader import read_threads
+
+    buffer = np.empty(nbytes, dtype=np.uint8)
+    step = -(-nbytes // read_threads())
+    pages = [buffer[lo:lo + step:4096] for lo in range(0, nbytes, step)]
+    with ThreadPoolExecutor(max_workers=len(pages)) as pool:  # faults run in parallel (no GIL)
+        list(pool.map(lambda view: view.fill(1), pages))
+    del pages, buffer
+    _reset_peak_rss()  # the priming is not part of any load's peak
+
+
 def _task_load(task: dict) -> dict:
     spec = LoadSpec(**task["spec"])
     refusal = None
@@ -102,8 +143,10 @@ def _task_load(task: dict) -> dict:
     from .strategy import context
 
     context._last_reports.clear()
-    rss_before = _max_rss_bytes()
     with _fallbacks(on_cpu):
+        prime_memory(task.get("prime_bytes", 0))
+        _reset_peak_rss()  # peak RSS from here on: the load's, over the RSS it starts from
+        rss_before = _max_rss_bytes()
         start = time.perf_counter()
         model = cls.from_pretrained(spec.path, **kwargs)
         touch_all(model)
@@ -136,23 +179,29 @@ def _task_load(task: dict) -> dict:
     return result
 
 
+def _warm_page_cache(files) -> None:
+    chunk = np.empty(8 << 20, dtype=np.uint8)
+    for path in files:
+        with open(path, "rb", buffering=0) as f:
+            while f.readinto(chunk):
+                pass
+
+
 def _task_floors(task: dict) -> dict:
+    from .strategy.reader import read_into
+
     spec = LoadSpec(**task["spec"])
     ms_loadpatch.disable()
     files = spec.weight_files()
+    _warm_page_cache(files)  # the loads after this one find the files cached: so does the floor
+    prime = task.get("prime_bytes", 0)
+    prime_memory(prime)
     start = time.perf_counter()
     total = 0
     for path in files:  # into fresh memory, as a loader does: page faults included
-        size = os.path.getsize(path)
-        buffer = np.empty(size, dtype=np.uint8)
+        buffer = np.empty(os.path.getsize(path), dtype=np.uint8)
         with open(path, "rb", buffering=0) as f:
-            view, got = memoryview(buffer), 0
-            while got < size:
-                n = f.readinto(view[got:])
-                if not n:
-                    break
-                got += n
-        total += got
+            total += read_into(f.fileno(), buffer, 0)  # as fast as this machine reads: all cores
         del buffer
     read_seconds = time.perf_counter() - start
 
@@ -167,6 +216,7 @@ def _task_floors(task: dict) -> dict:
             config = cls.config_class.from_pretrained(spec.model_dir)
             saved, modeling_utils._init_weights = modeling_utils._init_weights, False  # no init pass
             try:
+                prime_memory(prime)
                 start = time.perf_counter()
                 with no_init_parameters():
                     cls(config)
@@ -175,15 +225,16 @@ def _task_floors(task: dict) -> dict:
                 modeling_utils._init_weights = saved
         else:
             config = cls.load_config(spec.model_dir)
+            prime_memory(prime)
             start = time.perf_counter()
             with no_init_parameters():
                 cls.from_config(config)
             construct_seconds = time.perf_counter() - start
     return {"read_seconds": read_seconds, "read_bytes": total, "files": len(files),
-            "construct_seconds": construct_seconds, "cast_seconds": _cast_floor(files, spec.dtype)}
+            "construct_seconds": construct_seconds, "cast_seconds": _cast_floor(files, spec.dtype, prime)}
 
 
-def _cast_floor(files, dtype_name) -> float:
+def _cast_floor(files, dtype_name, prime_bytes: int = 0) -> float:
     """One cast pass: every checkpoint tensor whose dtype differs from the
     requested one, cast once with mindspore's kernel (from memory already read)."""
     if not dtype_name:
@@ -197,6 +248,7 @@ def _cast_floor(files, dtype_name) -> float:
     seconds = 0.0
     for path in files:
         tensors = [to_tensor(array) for array in read_arrays(path)[0].values()]
+        prime_memory(min(prime_bytes, os.path.getsize(path)))  # the cast's output: fresh memory
         start = time.perf_counter()
         for tensor in tensors:
             if tensor.dtype != dtype and tensor.is_floating_point():

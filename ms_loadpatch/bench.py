@@ -255,21 +255,34 @@ def run_child(task: dict, mode: str, timeout: float | None = None) -> dict:
     return result
 
 
-def load_task(spec: LoadSpec, snapshot: str | None = None) -> dict:
-    return {"task": "load", "spec": dataclasses.asdict(spec), "snapshot": snapshot}
+# --memory: "primed" faults in and frees memory right before each timed part,
+# in every process alike (see _child.prime_memory); "as-is" takes the machine as it comes.
+MEMORY_MODES = ("primed", "as-is")
 
 
-def measure_load(spec: LoadSpec, mode: str, snapshot: str | None = None, timeout=None) -> dict:
+def prime_bytes(spec: LoadSpec, memory: str) -> int:
+    """Enough for the largest load: the checkpoint read plus a cast copy of it."""
+    if memory not in MEMORY_MODES:
+        raise UsageError(f"--memory must be one of {', '.join(MEMORY_MODES)}")
+    return 2 * spec.checkpoint_bytes() + (256 << 20) if memory == "primed" else 0
+
+
+def load_task(spec: LoadSpec, snapshot: str | None = None, prime: int = 0) -> dict:
+    return {"task": "load", "spec": dataclasses.asdict(spec), "snapshot": snapshot, "prime_bytes": prime}
+
+
+def measure_load(spec: LoadSpec, mode: str, snapshot: str | None = None, timeout=None, prime: int = 0) -> dict:
     """One from_pretrained in a fresh process ("patched" or "unpatched"),
     timed up to the last weight touched. Keys: seconds, peak_rss_bytes,
     rss_before_bytes, report (patched: LoadReport.as_dict()), device, ..."""
-    return run_child(load_task(spec, snapshot), mode=mode, timeout=timeout)
+    return run_child(load_task(spec, snapshot, prime), mode=mode, timeout=timeout)
 
 
-def measure_floors(spec: LoadSpec, timeout=None) -> dict:
+def measure_floors(spec: LoadSpec, timeout=None, prime: int = 0) -> dict:
     """Lower bounds measured in one fresh process: reading every checkpoint
     byte, and constructing the model under no_init_parameters() with no init pass."""
-    return run_child({"task": "floors", "spec": dataclasses.asdict(spec)}, mode="unpatched", timeout=timeout)
+    task = {"task": "floors", "spec": dataclasses.asdict(spec), "prime_bytes": prime}
+    return run_child(task, mode="unpatched", timeout=timeout)
 
 
 # -- progress
@@ -333,20 +346,21 @@ def _median_run(runs: list[dict]) -> dict:
 
 
 def run_bench(spec: LoadSpec, repeats: int = 3, floors: bool = True, progress: Progress | None = None,
-              timeout=None) -> dict:
+              timeout=None, memory: str = "primed") -> dict:
     """Time unpatched vs patched from_pretrained (alternating, one fresh process
     per load), plus the floors. Returns a JSON-ready dict (see format_table)."""
     if repeats < 1:
         raise UsageError("--repeats must be at least 1")
+    prime = prime_bytes(spec, memory)
     runs = {"unpatched": [], "patched": []}
     floor = None
     if floors:  # first: it also brings the files into the page cache for every load after it
         with _step(progress, "floors: read every checkpoint byte, construct without init"):
-            floor = measure_floors(spec, timeout=timeout)
+            floor = measure_floors(spec, timeout=timeout, prime=prime)
     for i in range(repeats):
         for mode in ("unpatched", "patched"):  # alternating: slow drift of the machine hits both
             with _step(progress, f"{mode} load {i + 1}/{repeats}"):
-                runs[mode].append(measure_load(spec, mode, timeout=timeout))
+                runs[mode].append(measure_load(spec, mode, timeout=timeout, prime=prime))
     sides = {}
     for mode, mode_runs in runs.items():
         median_run = _median_run(mode_runs)
@@ -372,6 +386,7 @@ def run_bench(spec: LoadSpec, repeats: int = 3, floors: bool = True, progress: P
         "cpu_kernel_fallbacks": first["cpu_kernel_fallbacks"],
         "versions": first["versions"],
         "repeats": repeats,
+        "memory": memory,
         "unpatched": sides["unpatched"],
         "patched": dict(sides["patched"], report=sides["patched"]["median_run"].get("report")),
         "ratio": sides["unpatched"]["median_seconds"] / patched_median if patched_median > 0 else None,
@@ -405,6 +420,10 @@ def format_table(results: dict, title: str | None = None) -> str:
     lines.append(f"  versions    {versions}")
     lines.append(f"  method      each load in a fresh process, median of {results['repeats']}; timed: "
                  "from_pretrained + touching every weight")
+    memory = results.get("memory", "as-is")
+    lines.append(f"  memory      {memory}" + (": each process faults in and frees memory before every timed part, "
+                                              "so first-touch costs of the VM do not count" if memory == "primed" else
+                                              ": fresh memory as the machine gives it (first-touch costs count)"))
     lines.append("")
     lines.append(f"  {'':24}{'unpatched':>12}{'patched':>12}")
     ratio = results["ratio"]
@@ -463,7 +482,7 @@ def main(args) -> int:
             path = builtin_checkpoint(args.size, progress=progress)
             spec = LoadSpec.resolve(path, dtype=args.dtype)
             title = f"ms-loadpatch bench: built-in {args.size} checkpoint, {spec.class_name} (mindone.{spec.library})"
-        results = run_bench(spec, repeats=args.repeats, progress=progress)
+        results = run_bench(spec, repeats=args.repeats, progress=progress, memory=args.memory)
     except UsageError as exc:
         print(f"ms-loadpatch bench: {exc}", file=sys.stderr)
         return 2

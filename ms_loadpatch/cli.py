@@ -117,6 +117,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="loads per side, each in a fresh process; the median is shown (default 1)")
     bench.add_argument("--size", choices=("tiny", "default"), default="default",
                        help="size of the built-in checkpoint (when no PATH)")
+    bench.add_argument("--memory", choices=("primed", "as-is"), default="primed",
+                       help="primed (default): every process faults in and frees memory before each timed part; "
+                            "as-is: count the machine's first-touch cost of fresh memory (large on some VMs)")
     bench.set_defaults(func=_cmd_bench)
     return parser
 

@@ -87,6 +87,21 @@ def test_bench_without_path_generates_and_times_tiny_default(cache, tmp_path):
     floors = results["floors"]
     assert floors["read_bytes"] == ckpt["bytes"] and floors["construct_seconds"] > 0
     assert results["device"] == "CPU" and results["cpu_kernel_fallbacks"] is True
+    assert results["memory"] == "primed" and "memory      primed" in proc.stdout
+
+
+def _rss_bytes() -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
+
+
+def test_priming_stays_out_of_peak_rss():
+    """bench --memory primed faults in and frees memory before each timed
+    part; the peak RSS reported for the load must not include it."""
+    from ms_loadpatch._child import _max_rss_bytes, prime_memory
+
+    prime_memory(768 << 20)
+    assert _max_rss_bytes() < _rss_bytes() + (256 << 20)
 
 
 def test_bench_usage_errors(tmp_path, capsys):
