@@ -74,6 +74,8 @@ def _add_load_options(parser, dtypes) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from .bench import MEMORY_MODES  # standard library only: cheap at start-up
+
     parser = argparse.ArgumentParser(prog="ms-loadpatch", description="Fast, bit-identical mindone model loading.")
     sub = parser.add_subparsers(dest="cmd", required=True)
 
@@ -117,7 +119,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="loads per side, each in a fresh process; the median is shown (default 1)")
     bench.add_argument("--size", choices=("tiny", "default"), default="default",
                        help="size of the built-in checkpoint (when no PATH)")
-    bench.add_argument("--memory", choices=("primed", "as-is"), default="primed",
+    bench.add_argument("--memory", choices=MEMORY_MODES, default="primed",
                        help="primed (default): every process faults in and frees memory before each timed part; "
                             "as-is: count the machine's first-touch cost of fresh memory (large on some VMs)")
     bench.set_defaults(func=_cmd_bench)

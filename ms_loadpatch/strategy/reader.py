@@ -352,29 +352,28 @@ def background_read_threads() -> int:
     return max(1, (os.cpu_count() or 1) - 1)
 
 
-def _pread_into(fd: int, view: memoryview, offset: int) -> int:
-    """Fill `view` from `offset`; the count read (short only at end of file).
-    Loops: one read(2) returns at most about 2 GiB, and shards are often larger."""
+def _fill(view: memoryview, read_part) -> int:
+    """Call read_part(rest of view, bytes so far) until `view` is full or it
+    returns 0 (end of file); the count read. Loops: one read(2) returns at
+    most about 2 GiB, and shards are often larger."""
     got = 0
     while got < len(view):
-        n = os.preadv(fd, [view[got:]], offset + got)
-        if n == 0:
+        n = read_part(view[got:], got)
+        if not n:
             break
         got += n
     return got
+
+
+def _pread_into(fd: int, view: memoryview, offset: int) -> int:
+    return _fill(view, lambda part, done: os.preadv(fd, [part], offset + done))
 
 
 def _seek_read_into(fd: int, view: memoryview, offset: int) -> int:
     """_pread_into where there is no preadv (Windows): one thread, seek then read."""
     os.lseek(fd, offset, os.SEEK_SET)
     with open(fd, "rb", buffering=0, closefd=False) as f:
-        got = 0
-        while got < len(view):
-            n = f.readinto(view[got:])
-            if not n:
-                break
-            got += n
-    return got
+        return _fill(view, lambda part, done: f.readinto(part))
 
 
 def read_into(fd: int, buffer: np.ndarray, offset: int, threads: int | None = None) -> int:
