@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
@@ -33,23 +34,112 @@ def _cmd_run(args) -> int:
     return 0  # not reached
 
 
+def _import_targets() -> dict:
+    """Import mindspore and every module holding targets, as a user's load
+    would: targets are applied and probes run on import. Returns what
+    happened, with how long it took."""
+    import importlib
+    import time
+
+    from .targets import TARGETS
+
+    start = time.perf_counter()
+    errors = {}
+    # mindone prints notices on stdout while importing: keep stdout for the report (--json)
+    with contextlib.redirect_stdout(sys.stderr):
+        for name in ["mindspore"] + list(dict.fromkeys(t.module for t in TARGETS)):
+            top = ".".join(name.split(".")[:2])
+            if any(failed == top or name.startswith(failed + ".") for failed in errors):
+                continue
+            try:
+                importlib.import_module(name)
+            except Exception as exc:  # a missing or broken mindone is what status is asked about
+                errors[top if name != "mindspore" else name] = f"{type(exc).__name__}: {exc}"
+    return {"imported": True, "seconds": round(time.perf_counter() - start, 3), "errors": errors}
+
+
+def _installed_pth() -> bool:
+    import site
+
+    paths = site.getsitepackages() + [site.getusersitepackages()]
+    return any(os.path.exists(os.path.join(d, "ms_loadpatch_autoload.pth")) for d in paths)
+
+
+def _print_status(report: dict) -> None:
+    imported = report["import"]
+    if imported["imported"]:
+        print(f"(imported mindspore and mindone's target modules in {imported['seconds']:.1f} s)")
+    else:
+        print("(--no-import: mindspore and mindone not imported, probes not run)")
+    for library, verdict in report["libraries"].items():
+        names = ", ".join(row["name"] for row in report["techniques"]
+                          if row["state"] == "active" and library in row["libraries"])
+        error = next((e for m, e in imported["errors"].items() if m == f"mindone.{library}" or m == "mindspore"), None)
+        if verdict["accelerated"]:
+            line = "accelerated" + (f" (techniques: {names})" if names else "")
+        elif verdict["accelerated"] is None:
+            line = f"not known yet: {verdict['reason']}"
+        else:
+            line = f"not accelerated: {verdict['reason']}"
+        print(f"mindone.{library}: {line}")
+        if error:
+            print(f"  importing it failed: {error}")
+        if verdict["advice"]:
+            print(f"  what to do: {verdict['advice']}")
+    for untested in report["untested"]:
+        print(f"warning: {untested}; accepted because {report['activation']['allow_untested_var']} is set")
+    activation = report["activation"]
+    print(f"\nturned on by: import ms_loadpatch, or {activation['env_var']}=1 (currently "
+          f"{activation['env_value']!r}; .pth hook {'installed' if activation['pth_installed'] else 'not installed: use ms-loadpatch run'})")
+    print("\nversions:")
+    for name, version in report["versions"].items():
+        tested = ", ".join(report["tested"][name])
+        print(f"  {name} {version or 'not installed'} (supported {report['supported'][name]}; tested {tested})")
+    if report["refusal"]:
+        print(f"  refused: {report['refusal']}")
+    for library in report["libraries"]:
+        rows = [row for row in report["targets"] if row["library"] == library]
+        print(f"\nmindone.{library} entry points:")
+        for row in (r for r in rows if r["public"]):
+            reason = f"  ({row['reason']})" if row["reason"] else ""
+            print(f"  {row['state']:10} {row['target'].split(':', 1)[1]}{reason}")
+        internal = [r for r in rows if not r["public"]]
+        counts = {}
+        for row in internal:
+            counts[row["state"]] = counts.get(row["state"], 0) + 1
+        print(f"  internals of its loading path: {', '.join(f'{n} {state}' for state, n in counts.items())}")
+        for row in internal:
+            if row["state"] != "patched" and row["reason"] and not row["reason"].startswith("refused"):
+                print(f"    {row['state']:10} {row['target'].split(':', 1)[1]}  ({row['reason']})")
+    if report["techniques"]:
+        print(f"\ntechniques (probed on mindspore {report['versions']['mindspore']}):")
+        for row in report["techniques"]:
+            reason = f"  ({row['reason']})" if row["reason"] else ""
+            print(f"  {row['state']:8} {row['name']}: {row['description']}{reason}")
+
+
 def _cmd_status(args) -> int:
     import ms_loadpatch
 
     if args.enable and not activation.switched_off():
         ms_loadpatch.enable()
+    imported = {"imported": False, "seconds": 0.0, "errors": {}}
+    if not args.no_import:
+        imported = _import_targets()
+    from . import versions
+
     report = ms_loadpatch.status()
+    report["import"] = imported
+    report["activation"] = {
+        "env_var": activation.ENV_VAR,
+        "env_value": activation.env_value(),
+        "pth_installed": _installed_pth(),
+        "allow_untested_var": versions.ALLOW_UNTESTED_ENV_VAR,
+    }
     if args.json:
         print(json.dumps(report, indent=2))
-        return 0
-    print(f"enabled: {report['enabled']}")
-    for name, version in report["versions"].items():
-        print(f"{name}: {version or 'not installed'} (supported {report['supported'][name]})")
-    if report["refusal"]:
-        print(f"refused: {report['refusal']}")
-    for row in report["targets"]:
-        reason = f"  ({row['reason']})" if row["reason"] else ""
-        print(f"  {row['state']:8} {row['target']}{reason}")
+    else:
+        _print_status(report)
     return 0
 
 
@@ -83,14 +173,13 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("command", nargs=argparse.REMAINDER)
     run.set_defaults(func=_cmd_run)
 
-    status = sub.add_parser("status", help="print versions and what is patched")
-    status.add_argument("--json", action="store_true", help="print JSON")
-    status.add_argument(
-        "--import-mindone",
-        dest="import_mindone",
-        action="store_true",
-        help="import every target module first, so pending targets show as applied",
-    )
+    status = sub.add_parser(
+        "status", help="will loads be accelerated here: a verdict per library, then entry points, techniques, versions",
+        description="Imports mindspore and mindone (as a load would), applies the targets and runs every probe.")
+    status.add_argument("--json", action="store_true", help="print everything as JSON (README: status --json)")
+    status.add_argument("--no-import", action="store_true",
+                        help="do not import mindspore or mindone (fast; targets then show as pending, probes not run)")
+    status.add_argument("--import-mindone", action="store_true", help=argparse.SUPPRESS)  # the default since 0.2
     status.set_defaults(func=_cmd_status, enable=True)
 
     dtypes = ("float16", "bfloat16", "float32")  # bench.DTYPES; not imported here to keep start-up light
@@ -128,12 +217,4 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
-    if getattr(args, "import_mindone", False):
-        import importlib
-
-        import ms_loadpatch  # noqa: F401  (enables before mindone is imported)
-        from ms_loadpatch.targets import TARGETS
-
-        for module_name in dict.fromkeys(t.module for t in TARGETS):
-            importlib.import_module(module_name)
     return args.func(args)

@@ -23,6 +23,7 @@ logger = logging.getLogger("ms_loadpatch")
 PATCHED = "patched"
 PENDING = "pending"
 SKIPPED = "skipped"
+NOT_NEEDED = "not needed"  # a row for a mindspore feature this mindspore does not have
 
 
 def _resolve_wrapper(spec: str):
@@ -121,16 +122,22 @@ class _Patcher:
     def status(self) -> dict:
         with self._lock:
             gate = self._gate or versions.check()
+            targets = [
+                {"target": t.key, "library": t.library, "public": t.public, "state": s[0], "reason": s[1]}
+                for t in self._targets
+                for s in [self._states.get(t.key, (SKIPPED, "not enabled"))]
+            ]
             return {
                 "enabled": self._enabled,
                 "versions": dict(gate.versions),
                 "supported": {name: str(spec) for name, spec in versions.SUPPORTED.items()},
+                "tested": {name: list(tested) for name, tested in versions.TESTED.items()},
                 "refusal": gate.refusal,
-                "targets": [
-                    {"target": t.key, "state": s[0], "reason": s[1]}
-                    for t in self._targets
-                    for s in [self._states.get(t.key, (SKIPPED, "not enabled"))]
-                ],
+                "untested": list(gate.untested),
+                "libraries": {library: _library_verdict(library, self._enabled, gate, targets)
+                              for library in versions.LIBRARIES},
+                "techniques": _technique_rows() if gate.ok else [],
+                "targets": targets,
             }
 
     # -- machinery
@@ -147,7 +154,10 @@ class _Patcher:
         for target in self._targets_of(module.__name__):
             if target.key in self._handles:
                 continue
-            reason = versions.requirement_met(target.requires)
+            reason = versions.requirement_met(target.requires, target.library, target.feature)
+            if reason is not None and reason.startswith(versions.NOT_NEEDED_PREFIX):
+                self._states[target.key] = (NOT_NEEDED, reason[len(versions.NOT_NEEDED_PREFIX):])
+                continue
             if reason is not None:
                 self._states[target.key] = (SKIPPED, reason)
                 continue
@@ -185,6 +195,48 @@ class _Patcher:
             wrapt.apply_patch(parent, attribute, current.__wrapped__)
 
 
+def _technique_rows() -> list[dict]:
+    """Every technique with its probe result (the probes run here, once per
+    process), or nothing before mindspore is imported: probing imports it."""
+    if "mindspore" not in sys.modules:
+        return []
+    return versions.techniques().rows()
+
+
+def _library_verdict(library: str, enabled: bool, gate: versions.GateResult, targets: list) -> dict:
+    """Will `from_pretrained` of a mindone.<library> model be accelerated in
+    this process: `accelerated` True / False, or None while its module is not
+    imported yet (the probes run when it is); `reason` and `advice` say why
+    not and what to do."""
+    own = [row for row in targets if row["library"] == library]
+    verdict = {"accelerated": False, "reason": "", "advice": ""}
+    missing = [name for name in ("mindspore", "mindone") if gate.versions.get(name) is None]
+    skipped = [row for row in own if row["state"] == SKIPPED]
+    if missing:
+        verdict["reason"] = f"{' and '.join(missing)} not installed"
+        verdict["advice"] = ("install the tested versions with: pip install 'ms-loadpatch[mindone]' "
+                             f"(mindspore {versions.tested_versions('mindspore')}; "
+                             f"mindone {versions.tested_versions('mindone')})")
+    elif not gate.ok:
+        verdict["reason"] = gate.refusal
+        verdict["advice"] = (f"install a tested version (mindspore {versions.tested_versions('mindspore')}; "
+                             f"mindone {versions.tested_versions('mindone')}), or set "
+                             f"{versions.ALLOW_UNTESTED_ENV_VAR}=1 to try this one at your own risk")
+    elif not enabled:
+        verdict["reason"] = "ms_loadpatch is not enabled in this process"
+        verdict["advice"] = "import ms_loadpatch, set MS_LOADPATCH=1, or run under `ms-loadpatch run --`"
+    elif skipped:
+        verdict["reason"] = f"{skipped[0]['target']} skipped: {skipped[0]['reason']}"
+        verdict["advice"] = (f"loads run mindone's own path; a tested mindspore "
+                             f"({versions.tested_versions('mindspore')}) gets the fast path")
+    elif any(row["state"] == PENDING for row in own):
+        verdict["accelerated"] = None
+        verdict["reason"] = f"mindone.{library} is not imported yet: patched, and probed, when it is"
+    else:
+        verdict["accelerated"] = True
+    return verdict
+
+
 _PATCHER = _Patcher(TARGETS)
 
 
@@ -212,7 +264,8 @@ def accelerated_load():
 
 
 def status() -> dict:
-    """Versions seen, the gate's verdict, and every target with its state and reason."""
+    """Versions seen (and tested), the gate's verdict, per library whether its
+    loads are accelerated and why not, and every target with its state and reason."""
     return _PATCHER.status()
 
 

@@ -29,20 +29,35 @@ class Target:
     # "function": wrapt.FunctionWrapper(original, wrapper); "proxy": `wrapper` is a
     # factory returning a wrapt.ObjectProxy of the original (for a non-callable)
     kind: str = "function"
+    # the optional mindspore feature (versions.FEATURES) this row exists for:
+    # "not needed" on a mindspore without it
+    feature: str | None = None
+    # an entry point users call (listed first in status), or an internal of the loading path
+    public: bool = False
 
     @property
     def key(self) -> str:
         return f"{self.module}:{self.path}"
 
+    @property
+    def library(self) -> str:
+        """The mindone library whose loading path this row belongs to: its
+        targets are gated together (versions.Techniques.refusal_for)."""
+        return self.module.split(".")[1]
+
 
 TARGETS: tuple[Target, ...] = (
     # mindone.transformers
-    Target(_TF, "PreTrainedModel.from_pretrained", f"{_TF_GLUE}:from_pretrained"),
-    Target(_TF, "PreTrainedModel._from_config", f"{_TF_GLUE}:from_config"),
-    Target(_TF, "ModuleUtilsMixin.half", f"{_TF_GLUE}:half"),
-    Target(_TF, "ModuleUtilsMixin.float", f"{_TF_GLUE}:float_"),
-    Target(_TF, "ModuleUtilsMixin.to", f"{_TF_GLUE}:to"),
-    Target(_TF, "load_state_dict", f"{_TF_GLUE}:load_state_dict"),
+    Target(_TF, "PreTrainedModel.from_pretrained", f"{_TF_GLUE}:from_pretrained", public=True),
+    Target(_TF, "PreTrainedModel._from_config", f"{_TF_GLUE}:from_config", public=True),
+    Target(_TF, "ModuleUtilsMixin.half", f"{_TF_GLUE}:half", public=True),
+    Target(_TF, "ModuleUtilsMixin.float", f"{_TF_GLUE}:float_", public=True),
+    Target(_TF, "ModuleUtilsMixin.to", f"{_TF_GLUE}:to", public=True),
+    Target(_TF, "load_state_dict", f"{_TF_GLUE}:load_state_dict", public=True),
+    # mindspore 2.10+'s nn.Cell.to, which models resolve before ModuleUtilsMixin.to
+    # (reached through modeling_utils' `nn`, so it is applied once mindone is imported);
+    # it acts only inside an accelerated transformers load
+    Target(_TF, "nn.Cell.to", f"{_TF_GLUE}:cell_to", feature="cell_to"),
     # internals of its loading path, active only inside an accelerated from_pretrained
     Target(_TF, "PreTrainedModel.__init__", f"{_TF_GLUE}:model_init"),
     Target(_TF, "PreTrainedModel.init_weights", f"{_TF_GLUE}:init_weights"),
@@ -52,17 +67,18 @@ TARGETS: tuple[Target, ...] = (
     # its `gc` name only (not the gc module): gc.collect() per shard costs ~0.2 s
     Target(_TF, "gc", f"{_TF_GLUE}:GcWithoutPerShardCollect", kind="proxy"),
     # mindone.diffusers
-    Target(_DF, "ModelMixin.from_pretrained", f"{_DF_GLUE}:from_pretrained"),
-    Target(_DF, "ModelMixin.half", f"{_DF_GLUE}:half"),
-    Target(_DF, "ModelMixin.float", f"{_DF_GLUE}:float_"),
-    Target(_DF, "ModelMixin.to", f"{_DF_GLUE}:to"),
-    Target(_DF_LOADING, "load_state_dict", f"{_DF_GLUE}:load_state_dict"),
+    Target(_DF, "ModelMixin.from_pretrained", f"{_DF_GLUE}:from_pretrained", public=True),
+    Target(_DF, "ModelMixin.half", f"{_DF_GLUE}:half", public=True),
+    Target(_DF, "ModelMixin.float", f"{_DF_GLUE}:float_", public=True),
+    Target(_DF, "ModelMixin.to", f"{_DF_GLUE}:to", public=True),
+    Target(_DF_LOADING, "load_state_dict", f"{_DF_GLUE}:load_state_dict", public=True),
     # ...and every module that binds diffusers' load_state_dict by name
     Target(_DF, "load_state_dict", f"{_DF_GLUE}:load_state_dict"),
     Target("mindone.diffusers.loaders.lora_base", "load_state_dict", f"{_DF_GLUE}:load_state_dict"),
     Target("mindone.diffusers.loaders.single_file_utils", "load_state_dict", f"{_DF_GLUE}:load_state_dict"),
     # construction outside from_pretrained waits for any lazy-construction window
-    Target("mindone.diffusers.configuration_utils", "ConfigMixin.from_config", f"{_DF_GLUE}:from_config"),
+    Target("mindone.diffusers.configuration_utils", "ConfigMixin.from_config", f"{_DF_GLUE}:from_config",
+           public=True),
     # internals of its loading path, active only inside an accelerated from_pretrained
     Target(_DF, "no_init_parameters", f"{_DF_GLUE}:no_init_parameters"),
     Target(_DF, "ModelMixin._load_pretrained_model", f"{_DF_GLUE}:load_pretrained_model"),

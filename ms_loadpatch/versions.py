@@ -22,24 +22,24 @@ logger = logging.getLogger("ms_loadpatch")
 # What the gate accepts: what the version matrix (.ci/matrix) passed.
 # README "Supported versions" lists what each version gets.
 SUPPORTED: dict[str, SpecifierSet] = {
-    "mindspore": SpecifierSet(">=2.7.0,<2.10"),
+    "mindspore": SpecifierSet(">=2.7.0,<2.11"),
     "mindone": SpecifierSet(">=0.5.0,<0.6"),
 }
 
-# Why versions beyond a range are refused, where the matrix showed it:
-# (distribution, versions it applies to, reason), appended to the refusal.
-REFUSED_BECAUSE: tuple[tuple[str, SpecifierSet, str], ...] = (
-    ("mindspore", SpecifierSet(">=2.10"),
-     "mindspore 2.10 adds nn.Cell.to, which mindone.transformers models resolve before the "
-     "ModuleUtilsMixin.to the fast path patches: it would cast lazily built parameters and crash"),
-)
-
 # The versions `.ci/matrix` runs by default (it reads this literal), each
-# mindspore with the one mindone. 2.10.0 is run to check the refusal.
+# mindspore with the one mindone.
 TESTED: dict[str, tuple[str, ...]] = {
-    "mindspore": ("2.7.0", "2.7.1", "2.8.0", "2.9.0", "2.10.0"),
+    "mindspore": ("2.7.0", "2.7.1", "2.7.2", "2.8.0", "2.9.0", "2.10.0"),
     "mindone": ("0.5.0",),
 }
+
+# Policy for versions outside SUPPORTED (older, or newer than anything the
+# matrix ran): refused, nothing patched. Setting this variable to an on value
+# accepts them at the user's own risk; every probe still runs, so a mindspore
+# lacking what a technique needs still gets mindone's own path for it.
+ALLOW_UNTESTED_ENV_VAR = "MS_LOADPATCH_ALLOW_UNTESTED"
+
+LIBRARIES = ("transformers", "diffusers")
 
 
 def installed_version(distribution: str) -> Version | None:
@@ -52,43 +52,63 @@ def installed_version(distribution: str) -> Version | None:
         return None
 
 
+def tested_versions(distribution: str) -> str:
+    return ", ".join(TESTED[distribution])
+
+
 @dataclasses.dataclass(frozen=True)
 class GateResult:
     versions: dict[str, str | None]
-    refusal: str | None  # None when every present distribution is supported
+    refusal: str | None  # None when every present distribution is accepted
+    # versions outside SUPPORTED accepted by ALLOW_UNTESTED_ENV_VAR (empty otherwise)
+    untested: tuple[str, ...] = ()
 
     @property
     def ok(self) -> bool:
         return self.refusal is None
 
 
+def _allow_untested() -> bool:
+    from .activation import env_flag
+
+    return env_flag(ALLOW_UNTESTED_ENV_VAR)
+
+
 def check() -> GateResult:
     """Compare the installed versions against SUPPORTED.
 
     A distribution that is not installed is not a refusal: its targets simply
-    never get imported. A present but unsupported one refuses the whole plugin,
-    because a half-patched mindone mixes two loading paths.
+    never get imported. A present but unsupported one refuses the whole plugin
+    (an unknown mindone mixes two loading paths; a mindspore the matrix never
+    ran may build different objects), unless ALLOW_UNTESTED_ENV_VAR is on.
     """
     versions: dict[str, str | None] = {}
-    problems = []
+    problems, untested = [], []
     for distribution, specifier in SUPPORTED.items():
         version = installed_version(distribution)
         versions[distribution] = str(version) if version is not None else None
         if version is not None and not specifier.contains(version, prereleases=True):
-            because = [reason for name, where, reason in REFUSED_BECAUSE
-                       if name == distribution and where.contains(version, prereleases=True)]
-            suffix = f" ({'; '.join(because)})" if because else ""
-            problems.append(f"{distribution} {version} is outside the supported range {specifier}{suffix}")
-    return GateResult(versions, "; ".join(problems) or None)
+            newest = max(Version(v) for v in TESTED[distribution])
+            where = f"newer than the newest tested ({newest})" if version > newest else "outside"
+            problem = (f"{distribution} {version} is {where} the supported range {specifier} "
+                       f"(tested: {tested_versions(distribution)})")
+            (untested if _allow_untested() else problems).append(problem)
+    refusal = None
+    if problems:
+        refusal = "; ".join(problems) + (
+            f"; to try it at your own risk set {ALLOW_UNTESTED_ENV_VAR}=1 (every probe still runs)")
+    return GateResult(versions, refusal, tuple(untested))
 
 
-def requirement_met(requires: dict[str, str]) -> str | None:
+def requirement_met(requires: dict[str, str], library: str | None = None, feature: str | None = None) -> str | None:
     """None when a target may be patched, else the reason it is skipped.
 
     Every `distribution -> specifier` in `requires` must hold, and, once
     mindspore is imported (always the case when a mindone module is, which is
-    when targets are applied), it must have every feature the strategy uses:
-    a mindspore that lacks one gets mindone's own loading path, not a guess."""
+    when targets are applied), it must have every feature `library`'s
+    techniques use: a mindspore that lacks one gets mindone's own loading path
+    for that library, not a guess. A target tied to a `feature` of mindspore
+    is NOT_NEEDED where that mindspore does not have it."""
     for distribution, specifier in requires.items():
         version = installed_version(distribution)
         if version is None:
@@ -96,25 +116,38 @@ def requirement_met(requires: dict[str, str]) -> str | None:
         if not SpecifierSet(specifier).contains(version, prereleases=True):
             return f"needs {distribution}{specifier}, found {version}"
     if "mindspore" in sys.modules:
-        return techniques().refusal
+        chosen = techniques()
+        if library is not None and chosen.refusal_for(library):
+            return chosen.refusal_for(library)
+        if feature is not None and not chosen.features.get(feature):
+            return NOT_NEEDED_PREFIX + FEATURES[feature]
     return None
+
+
+# A requirement_met() reason with this prefix: the target is not needed here.
+NOT_NEEDED_PREFIX = "not needed: "
+# Optional mindspore features a target exists for: name -> what lacking it means.
+FEATURES = {
+    "cell_to": "this mindspore's nn.Cell has no `to`; models resolve mindone's ModuleUtilsMixin.to",
+}
 
 
 # --- techniques, chosen per installed mindspore (call only after it is imported)
 #
 # The strategy uses exactly these mindspore features. The matrix found all of
-# them, with the same behaviour, on 2.7.0, 2.7.1, 2.8.0, 2.9.0 and 2.10.0, so
-# every supported version gets the same technique. Observed differences that
-# the strategy deliberately does not depend on:
+# them, with the same behaviour, on 2.7.0, 2.7.1, 2.7.2, 2.8.0, 2.9.0 and
+# 2.10.0, so every supported version gets the same technique. Observed
+# differences that the strategy deliberately does not depend on:
 #   - `Tensor.to(device=...)` is missing on 2.7.0 (and slow per call everywhere);
 #   - `Parameter.data` is settable only from 2.8 (and, like `Parameter._data`
 #     swaps, leaves a lazy parameter lazy: its initializer would win);
 #   - 2.9+ docstrings announce the deprecation of `no_init_parameters`; it
 #     still works on 2.10 (no runtime warning). When a release drops it, the
 #     probe below reports it and targets are skipped, not half-applied.
-# What does break the fast path is a mindspore `nn.Cell` method shadowing one
-# of mindone's ModuleUtilsMixin methods that targets.py patches (2.10 adds
-# `Cell.to`): the probe reports that too, for any version the range admits.
+# 2.10 adds `nn.Cell.to`, which mindone.transformers models resolve before
+# mindone's ModuleUtilsMixin.to (PreTrainedModel lists nn.Cell first) and
+# which segfaults on a lazily built parameter: the transformers glue wraps it
+# too (targets.py, feature "cell_to"), checked by _probe_cell_to below.
 
 
 @dataclasses.dataclass(frozen=True)
@@ -131,8 +164,12 @@ class Techniques:
     # Checkpoint arrays to tensors without a copy: `Tensor.from_numpy`, with
     # bf16 read as `mindspore.common.np_dtype.bfloat16`.
     to_tensor: str
-    # Why this mindspore cannot take the fast path (empty when it can).
+    # Why this mindspore cannot take the fast path at all (empty when it can).
     problems: tuple[str, ...] = ()
+    # (library, problem): why one library's fast path is skipped on this mindspore.
+    library_problems: tuple[tuple[str, str], ...] = ()
+    # optional mindspore features (FEATURES) present in this mindspore
+    features: dict = dataclasses.field(default_factory=dict)
 
     @property
     def refusal(self) -> str | None:
@@ -140,9 +177,37 @@ class Techniques:
             return None
         return f"mindspore {self.mindspore} cannot take the fast path: {'; '.join(self.problems)}"
 
+    def rows(self) -> list[dict]:
+        """The techniques with their probe results, for status()."""
+        everywhere = "; ".join(self.problems)
+        rows = [
+            {"name": "lazy-construction", "libraries": list(LIBRARIES), "description": self.construct},
+            {"name": "to-tensor", "libraries": list(LIBRARIES), "description": self.to_tensor},
+            {"name": "assign", "libraries": list(LIBRARIES), "description": self.assign},
+            {"name": "cast", "libraries": list(LIBRARIES), "description": self.cast},
+        ]
+        for row in rows:
+            row.update(state="skipped" if everywhere else "active", reason=everywhere)
+        if self.features.get("cell_to"):
+            own = "; ".join(p for name, p in self.library_problems if name == "transformers" and "Cell.to" in p)
+            rows.append({"name": "cell-to-keeping-lazy", "libraries": ["transformers"],
+                         "description": "nn.Cell.to inside an accelerated load leaves lazy parameters unread "
+                                        "(probed against nn.Cell.to)",
+                         "state": "skipped" if own or everywhere else "active", "reason": own or everywhere})
+        return rows
+
+    def refusal_for(self, library: str) -> str | None:
+        """Why `library`'s targets are skipped on this mindspore, or None."""
+        own = tuple(problem for name, problem in self.library_problems if name == library)
+        if not self.problems and not own:
+            return None
+        return (f"mindspore {self.mindspore} cannot take the mindone.{library} fast path: "
+                f"{'; '.join(self.problems + own)}")
+
 
 # mindone's ModuleUtilsMixin methods that targets.py patches; PreTrainedModel
 # lists nn.Cell first among its bases, so a Cell method of the same name wins.
+# Only `to` (mindspore 2.10+) has a wrapper of its own (glue.transformers.cell_to).
 _MIXIN_METHODS = ("to", "half", "float")
 
 
@@ -163,8 +228,71 @@ def _probe_bfloat16(ms) -> str | None:
     return None
 
 
-def probe(ms) -> tuple[str, ...]:
-    """Why `ms` (the mindspore module) cannot take the fast path; empty when it can."""
+def _probe_cell_to(ms) -> str | None:
+    """None when strategy.assign.cell_to_keeping_lazy gives what nn.Cell.to
+    gives: on a cell tree with float and int parameters and buffers (one of
+    them shared), every dtype, value and Parameter object the same, and a lazy
+    parameter left lazy in the new dtype (nn.Cell.to itself would read it)."""
+    try:
+        import numpy as np
+        from mindspore.common.initializer import initializer
+        from mindspore.nn.utils import no_init_parameters
+
+        from .strategy.assign import cell_to_keeping_lazy
+
+        def build(lazy):
+            shared = ms.Parameter(ms.Tensor(np.linspace(-1, 1, 4).astype(np.float32)), name="shared")
+            cells = []
+            for index in range(2):
+                cell = ms.nn.Cell()
+                cell.shared = shared
+                cell.count = ms.Parameter(ms.Tensor(np.arange(3, dtype=np.int32)), name=f"count{index}",
+                                          requires_grad=False)
+                cell.register_buffer("scale", ms.Tensor(np.full(2, 1 / 3, dtype=np.float32)))
+                cell.register_buffer("steps", ms.Tensor(np.arange(2, dtype=np.int64)))
+                cells.append(cell)
+            root = ms.nn.SequentialCell(cells)
+            if lazy:
+                with no_init_parameters():
+                    root.lazy = ms.Parameter(initializer("normal", (3, 2), ms.float32), name="lazy")
+            return root
+
+        def state(root):
+            out = {}
+            for prefix, cell in root.cells_and_names():
+                for attr, param in cell._params.items():
+                    out[f"{prefix}.{attr}"] = (id(param), str(param.dtype), bool(param.has_init),
+                                              None if param.has_init else param.astype(ms.float32).asnumpy().tolist())
+                for attr, buffer in cell._buffers.items():
+                    out[f"{prefix}.{attr}"] = (str(buffer.dtype), buffer.astype(ms.float32).asnumpy().tolist())
+            return out
+
+        expected_root, actual_root = build(lazy=False), build(lazy=True)
+        ids_before = {k: v[0] for k, v in state(actual_root).items() if len(v) == 4}
+        expected_root.to(ms.bfloat16)
+        cell_to_keeping_lazy(actual_root, ms.bfloat16)
+        expected, actual = state(expected_root), state(actual_root)
+        lazy = actual.pop(".lazy")
+        if lazy[1:3] != (str(ms.bfloat16), True):
+            return f"a lazy parameter came out as {lazy[1:3]}, not lazy BFloat16"
+        for key in expected:
+            if key not in actual:
+                return f"{key} is missing after the cast"
+            want, got = expected[key], actual[key]
+            if len(want) == 4:  # parameter: the same object keeps its place
+                if got[0] != ids_before[key]:
+                    return f"{key} was replaced by another Parameter object"
+                want, got = want[1:], got[1:]
+            if want != got:
+                return f"{key}: nn.Cell.to gives {want}, the fast path {got}"
+    except Exception as exc:  # an internal the wrapper uses changed
+        return f"{type(exc).__name__}: {exc}"
+    return None
+
+
+def probe(ms) -> tuple[tuple[str, ...], tuple[tuple[str, str], ...], dict]:
+    """(why `ms` cannot take the fast path at all, (library, why that
+    library's cannot), optional features present); empty when it can."""
     problems = []
     for owner, attribute in (("Parameter", "set_data"), ("Parameter", "init_data"),
                              ("Tensor", "set_dtype"), ("Tensor", "from_numpy")):
@@ -181,11 +309,21 @@ def probe(ms) -> tuple[str, ...]:
         bf16 = _probe_bfloat16(ms)
         if bf16 is not None:
             problems.append(bf16)
+    library_problems = []
     cell = getattr(getattr(ms, "nn", None), "Cell", None)
+    features = {"cell_to": cell is not None and "to" in vars(cell)}
     for name in _MIXIN_METHODS:
-        if cell is not None and name in vars(cell):
-            problems.append(f"nn.Cell.{name} shadows mindone's ModuleUtilsMixin.{name}, which the fast path patches")
-    return tuple(problems)
+        if cell is None or name not in vars(cell):
+            continue
+        if name == "to" and not problems:
+            failed = _probe_cell_to(ms)
+            if failed is None:
+                continue
+            problem = f"nn.Cell.to shadows mindone's ModuleUtilsMixin.to and its probe failed ({failed})"
+        else:
+            problem = f"nn.Cell.{name} shadows mindone's ModuleUtilsMixin.{name}, which the fast path patches"
+        library_problems.append(("transformers", problem))
+    return tuple(problems), tuple(library_problems), features
 
 
 @functools.lru_cache(maxsize=None)
@@ -193,14 +331,21 @@ def techniques() -> Techniques:
     """The technique for the imported mindspore (one per process)."""
     import mindspore as ms
 
+    problems, library_problems, features = probe(ms)
     result = Techniques(
         mindspore=str(getattr(ms, "__version__", installed_version("mindspore"))),
         assign="Parameter.set_data",
         cast="Tensor.set_dtype",
         construct="Parameter.init_param scoped to the building thread (no_init_parameters' flag)",
         to_tensor="Tensor.from_numpy (bf16 via np_dtype.bfloat16)",
-        problems=probe(ms),
+        problems=problems,
+        library_problems=library_problems,
+        features=features,
     )
     if result.refusal:
         logger.warning("ms_loadpatch: targets are skipped: %s", result.refusal)
+    else:
+        for library in LIBRARIES:
+            if result.refusal_for(library):
+                logger.warning("ms_loadpatch: mindone.%s targets are skipped: %s", library, result.refusal_for(library))
     return result

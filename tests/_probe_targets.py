@@ -34,8 +34,14 @@ if ORDER == "plugin-first":
     import_mindone()
 
 
+ABSENT = "absent"  # a row for a mindspore feature this version lacks (nn.Cell.to before 2.10)
+
+
 def current(target):
-    return wrapt.resolve_path(sys.modules[target.module], target.path)[2]
+    try:
+        return wrapt.resolve_path(sys.modules[target.module], target.path)[2]
+    except AttributeError:
+        return ABSENT
 
 
 def is_ours(obj):
@@ -71,6 +77,16 @@ with ms_loadpatch.enabled():
         rows[t.key]["patched_inside_enabled"] = is_ours(current(t))
 for t in TARGETS:
     rows[t.key]["original_after_enabled_scope"] = current(t) is originals[t.key]
+# a row that is "not needed" here must never be patched, and is left as it was
+needed_states = {}
+with ms_loadpatch.enabled():
+    needed_states = {row["target"]: row["state"] for row in ms_loadpatch.status()["targets"]}
+for key, state in needed_states.items():
+    if state == "not needed":
+        target = next(t for t in TARGETS if t.key == key)
+        rows[key] = {"not_needed_left_alone": not any(r for name, r in rows[key].items()
+                                                      if name.startswith("patched"))
+                     and current(target) is originals[key]}
 report["targets"] = rows
 report["states"] = {row["target"]: row["state"] for row in ms_loadpatch.status()["targets"]}
 print("REPORT " + json.dumps(report))

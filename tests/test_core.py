@@ -35,6 +35,10 @@ def order_report(request):
 def test_target_patch_cycle(order_report, target):
     order, report = order_report
     row = report["targets"][target]
+    if "not_needed_left_alone" in row:  # a row for a mindspore feature this version lacks
+        assert row["not_needed_left_alone"], f"{target} ({order}) was touched although not needed"
+        assert next(t for t in TARGETS if t.key == target).feature is not None
+        return
     failed = [check for check in CHECKS if not row[check]]
     assert not failed, f"{target} ({order}): failed {failed}"
 
@@ -162,8 +166,10 @@ def test_launcher_missing_command():
 
 
 def test_status_command_prints_targets():
-    proc = run_python(["-m", "ms_loadpatch", "status", "--json", "--import-mindone"])
+    proc = run_python(["-m", "ms_loadpatch", "status", "--json"])
     assert proc.returncode == 0, proc.stderr
     status = json.loads(proc.stdout[proc.stdout.index("{"):])
     assert status["enabled"] is True
-    assert {row["state"] for row in status["targets"]} == {"patched"}
+    features = {t.key for t in TARGETS if t.feature is not None}
+    assert {row["state"] for row in status["targets"] if row["target"] not in features} == {"patched"}
+    assert {row["state"] for row in status["targets"] if row["target"] in features} <= {"patched", "not needed"}

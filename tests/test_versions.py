@@ -11,7 +11,6 @@ import sys
 import textwrap
 
 import pytest
-from packaging.requirements import Requirement
 from packaging.version import Version
 
 from conftest import report_of, run_python
@@ -39,52 +38,74 @@ def _fake_versions(monkeypatch, fake):
 
 @pytest.mark.parametrize("version,accepted", [
     ("2.6.0", False), ("2.7.0", True), ("2.7.1", True), ("2.7.1.post1", True), ("2.7.2", True),
-    ("2.8.0", True), ("2.9.0", True), ("2.9.1", True), ("2.10.0", False), ("2.11.0", False), ("3.0.0", False),
+    ("2.8.0", True), ("2.9.0", True), ("2.9.1", True), ("2.10.0", True), ("2.11.0", False), ("3.0.0", False),
 ])
 def test_mindspore_range(monkeypatch, version, accepted):
+    monkeypatch.delenv(versions.ALLOW_UNTESTED_ENV_VAR, raising=False)
     _fake_versions(monkeypatch, {"mindspore": version, "mindone": "0.5.0"})
     result = versions.check()
     assert result.ok is accepted
     if not accepted:
-        assert result.refusal.startswith(
-            f"mindspore {version} is outside the supported range {versions.SUPPORTED['mindspore']}")
+        assert f"mindspore {version} is " in result.refusal
+        assert f"the supported range {versions.SUPPORTED['mindspore']}" in result.refusal
 
 
-def test_refusal_of_2_10_says_why(monkeypatch):
-    # the matrix: mindone.transformers models resolve `to` to mindspore 2.10's new
-    # nn.Cell.to, not the patched ModuleUtilsMixin.to; the patched load crashed
-    _fake_versions(monkeypatch, {"mindspore": "2.10.0", "mindone": "0.5.0"})
-    assert "adds nn.Cell.to" in versions.check().refusal
+def test_newer_than_tested_is_refused_naming_the_newest_and_the_override(monkeypatch):
+    monkeypatch.delenv(versions.ALLOW_UNTESTED_ENV_VAR, raising=False)
+    _fake_versions(monkeypatch, {"mindspore": "2.11.0", "mindone": "0.5.0"})
+    refusal = versions.check().refusal
+    newest = max(versions.TESTED["mindspore"], key=Version)
+    assert f"mindspore 2.11.0 is newer than the newest tested ({newest})" in refusal
+    assert f"set {versions.ALLOW_UNTESTED_ENV_VAR}=1" in refusal
     _fake_versions(monkeypatch, {"mindspore": "2.6.0", "mindone": "0.5.0"})
-    assert versions.check().refusal == "mindspore 2.6.0 is outside the supported range " + str(
-        versions.SUPPORTED["mindspore"])
+    assert "mindspore 2.6.0 is outside the supported range" in versions.check().refusal
+
+
+@pytest.mark.parametrize("value,accepted", [("1", True), ("true", True), ("0", False), ("", False)])
+def test_override_accepts_untested_versions_visibly(monkeypatch, value, accepted):
+    monkeypatch.setenv(versions.ALLOW_UNTESTED_ENV_VAR, value)
+    _fake_versions(monkeypatch, {"mindspore": "2.11.0", "mindone": "0.6.0"})
+    result = versions.check()
+    assert result.ok is accepted
+    if accepted:
+        assert len(result.untested) == 2 and "mindspore 2.11.0" in result.untested[0]
+    else:
+        assert not result.untested
+
+
+def test_overridden_version_still_runs_every_probe(monkeypatch, fresh_techniques):
+    """The override accepts the version, not the technique: a probe that
+    fails still skips targets."""
+    import mindone.transformers.modeling_utils  # noqa: F401
+
+    monkeypatch.setenv(versions.ALLOW_UNTESTED_ENV_VAR, "1")
+    _fake_versions(monkeypatch, {"mindspore": "2.11.0"})
+    _drop_no_init(monkeypatch)
+    versions.techniques.cache_clear()
+    patcher = core._Patcher(TARGETS)
+    try:
+        assert patcher.enable() is True
+        rows = {row["target"]: row for row in patcher.status()["targets"]}
+        assert rows[TF_FROM_PRETRAINED]["state"] == "skipped"
+        assert "lacks mindspore.nn.utils.no_init_parameters" in rows[TF_FROM_PRETRAINED]["reason"]
+        assert patcher.status()["untested"]
+    finally:
+        patcher.disable()
 
 
 def test_tested_versions_cover_the_range_edges():
-    """The matrix runs the first and last supported minor and the first refused one."""
-    tested = [Version(v) for v in versions.TESTED["mindspore"]]
-    supported = [v for v in tested if versions.SUPPORTED["mindspore"].contains(v)]
-    assert min(supported) == Version("2.7.0")
-    assert any(not versions.SUPPORTED["mindspore"].contains(v) and v > max(supported) for v in tested)
+    """The matrix runs the first and the last supported version: the newest
+    supported one is the newest tested one (the policy for newer ones)."""
+    tested = sorted(Version(v) for v in versions.TESTED["mindspore"])
+    assert all(versions.SUPPORTED["mindspore"].contains(v) for v in tested)
+    assert tested[0] == Version("2.7.0")
+    assert not versions.SUPPORTED["mindspore"].contains(Version(f"{tested[-1].major}.{tested[-1].minor + 1}.0"))
 
 
 def test_tested_mindone_is_supported():
     assert versions.TESTED["mindone"]
     for version in versions.TESTED["mindone"]:
         assert versions.SUPPORTED["mindone"].contains(Version(version)), version
-
-
-def test_pyproject_declares_the_supported_ranges():
-    pyproject = os.path.join(REPO, "pyproject.toml")
-    if not os.path.exists(pyproject):
-        pytest.skip("tests run outside the source tree")
-    import tomllib
-
-    with open(pyproject, "rb") as f:
-        dependencies = [Requirement(r) for r in tomllib.load(f)["project"]["dependencies"]]
-    declared = {r.name: r.specifier for r in dependencies}
-    for distribution, specifier in versions.SUPPORTED.items():
-        assert declared[distribution] == specifier, distribution
 
 
 # -- feature probes: a mindspore lacking what the strategy uses gets mindone's own path
@@ -133,12 +154,6 @@ def _drop_bfloat16(monkeypatch):
     monkeypatch.delattr(np_dtype, "bfloat16")
 
 
-def _cell_gets_to(monkeypatch):
-    import mindspore as ms
-
-    monkeypatch.setattr(ms.nn.Cell, "to", lambda self, *args, **kwargs: self, raising=False)
-
-
 def _invalid_bfloat16(monkeypatch):
     from mindspore.common import np_dtype
 
@@ -161,13 +176,92 @@ def _bfloat16_maps_elsewhere(monkeypatch):
     (_drop_bfloat16, "lacks mindspore.common.np_dtype.bfloat16"),
     (_invalid_bfloat16, "lacks a usable mindspore.common.np_dtype.bfloat16"),
     (_bfloat16_maps_elsewhere, "Tensor.from_numpy(np_dtype.bfloat16 array) gives Float32, not BFloat16"),
-    (_cell_gets_to, "nn.Cell.to shadows mindone's ModuleUtilsMixin.to"),
 ])
 def test_unusable_mindspore_is_reported(monkeypatch, fresh_techniques, simulate, expected):
     simulate(monkeypatch)
     chosen = versions.techniques()
     assert any(item.startswith(expected) for item in chosen.problems), chosen.problems
     assert chosen.refusal.startswith(f"mindspore {chosen.mindspore} cannot take the fast path: ")
+    for library in versions.LIBRARIES:
+        assert expected in chosen.refusal_for(library)
+
+
+def _cell_gets_half(monkeypatch):
+    import mindspore as ms
+
+    monkeypatch.setattr(ms.nn.Cell, "half", lambda self: self, raising=False)
+
+
+def _cell_to_probe_fails(monkeypatch):
+    """A Cell.to whose result the fast path does not reproduce (it also casts integer parameters)."""
+    import mindspore as ms
+
+    def to(self, dtype):
+        for param in self.get_parameters():
+            param.set_dtype(dtype)
+        return self
+
+    monkeypatch.setattr(ms.nn.Cell, "to", to, raising=False)
+
+
+@pytest.mark.parametrize("simulate,expected", [
+    (_cell_gets_half, "nn.Cell.half shadows mindone's ModuleUtilsMixin.half"),
+    (_cell_to_probe_fails, "nn.Cell.to shadows mindone's ModuleUtilsMixin.to and its probe failed"),
+])
+def test_mindspore_shadowing_a_mixin_method_skips_transformers_only(monkeypatch, fresh_techniques, simulate,
+                                                                    expected):
+    """Per-library gate: a problem of mindone.transformers' path leaves diffusers accelerated."""
+    simulate(monkeypatch)
+    chosen = versions.techniques()
+    assert chosen.problems == ()
+    assert expected in chosen.refusal_for("transformers")
+    assert chosen.refusal_for("diffusers") is None
+
+
+def test_transformers_problem_skips_transformers_targets_only(monkeypatch, fresh_techniques):
+    import mindone.diffusers.models.modeling_utils  # noqa: F401
+    import mindone.transformers.modeling_utils  # noqa: F401
+
+    _cell_gets_half(monkeypatch)
+    versions.techniques.cache_clear()
+    patcher = core._Patcher(TARGETS)
+    try:
+        assert patcher.enable() is True
+        status = patcher.status()
+        for row in status["targets"]:
+            if row["library"] == "transformers":
+                assert row["state"] in ("skipped", "not needed"), row
+            else:
+                assert row["state"] in ("patched", "pending"), row  # pending: a module not imported here
+        assert status["libraries"]["transformers"]["accelerated"] is False
+        assert "nn.Cell.half shadows" in status["libraries"]["transformers"]["reason"]
+        assert status["libraries"]["diffusers"]["accelerated"] is True
+    finally:
+        patcher.disable()
+
+
+def test_cell_to_target_matches_the_installed_mindspore(fresh_techniques):
+    """The nn.Cell.to row is patched exactly where nn.Cell defines `to` (2.10+), "not needed" elsewhere."""
+    import mindspore as ms
+
+    import mindone.transformers.modeling_utils  # noqa: F401
+
+    patcher = core._Patcher(TARGETS)
+    try:
+        with core.disabled():  # only the private patcher's wrappers below
+            original = vars(ms.nn.Cell).get("to")
+            patcher.enable()
+            row = next(r for r in patcher.status()["targets"] if r["target"].endswith(":nn.Cell.to"))
+            if original is not None:
+                assert row["state"] == "patched", row
+                assert patcher.is_handle(vars(ms.nn.Cell)["to"])
+            else:
+                assert row["state"] == "not needed" and "no `to`" in row["reason"], row
+                assert "to" not in vars(ms.nn.Cell)
+            patcher.disable()
+            assert vars(ms.nn.Cell).get("to") is original
+    finally:
+        patcher.disable()
 
 
 def test_unusable_mindspore_skips_every_target(monkeypatch, fresh_techniques, caplog):

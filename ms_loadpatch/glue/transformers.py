@@ -21,7 +21,7 @@ import wrapt
 from .. import core
 from . import overridden_method
 from ..strategy import context
-from ..strategy.assign import assign, cast_parameters, check_and_pair
+from ..strategy.assign import assign, cast_parameters, cell_to_keeping_lazy, check_and_pair
 from ..strategy.construct import CONSTRUCTION_LOCK, initialize_unloaded, lazy_construction, state_index
 from ..strategy.prefetch import local_checkpoint_files, start_prefetch, take_or_read
 from ..strategy.reader import CheckpointError, named_safetensors_error
@@ -121,6 +121,24 @@ def to(wrapped, instance, args, kwargs):
         return wrapped(*args, **kwargs)
     cast_parameters(instance, dtype)
     return instance
+
+
+def cell_to(wrapped, instance, args, kwargs):
+    """mindspore 2.10+'s nn.Cell.to, which a model resolves before the
+    ModuleUtilsMixin.to above. mindone's from_pretrained calls `model.to(dtype)`
+    right after building it: inside an accelerated load, on a lazily built
+    model, Cell.to's own result without reading (and crashing on) the lazy
+    parameters. Everywhere else, and for any other call form, Cell.to as it is."""
+    ctx = context.current()
+    if ctx is None or ctx.report.library != "transformers" or len(args) + len(kwargs) != 1:
+        return wrapped(*args, **kwargs)
+    dtype = args[0] if args else kwargs.get("dtype")
+    # other dtypes: Cell.to raises (or warns, for complex) before reading anything
+    if dtype not in ms.common.dtype.float_type:
+        return wrapped(*args, **kwargs)
+    if not any(param.has_init for param in instance.get_parameters()):
+        return wrapped(*args, **kwargs)
+    return cell_to_keeping_lazy(instance, dtype)
 
 
 def half(wrapped, instance, args, kwargs):

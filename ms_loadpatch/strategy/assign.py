@@ -60,3 +60,23 @@ def cast_parameters(cell, dtype) -> int:
             param.set_dtype(dtype)
             count += 1
     return count
+
+
+def cell_to_keeping_lazy(cell, dtype):
+    """`cell.to(dtype)` as mindspore 2.10's nn.Cell.to does it (its own
+    `_apply` walk: floating parameters and buffers cast, `param.data = ...`,
+    buffers replaced), except that a lazily built parameter is not read
+    (Tensor.to segfaults on one): it only gets the dtype, metadata only, and
+    stays lazy; `param.data = param` leaves it as it is. Checked against
+    nn.Cell.to by versions._probe_cell_to."""
+    from mindspore.common import dtype as mstype
+
+    def convert(tensor):
+        target = dtype if tensor.dtype in mstype.float_type or tensor.dtype in mstype.complex_type else None
+        if isinstance(tensor, ms.Parameter) and tensor.has_init:
+            if target is not None and tensor.dtype != target:
+                tensor.set_dtype(target)
+            return tensor
+        return tensor.to(device=None, dtype=target, non_blocking=False)
+
+    return cell._apply(convert)

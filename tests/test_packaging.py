@@ -1,0 +1,100 @@
+"""Packaging: the plugin never chooses its host's mindspore or mindone.
+
+pyproject declares neither as a dependency (only in the `mindone` and `test`
+extras, with versions.SUPPORTED's ranges), and a real `pip install` of a
+wheel built from this checkout into an environment that already has a
+mindspore leaves that mindspore as it was."""
+
+import importlib.metadata
+import json
+import os
+import subprocess
+import sys
+import sysconfig
+
+import pytest
+from packaging.requirements import Requirement
+
+from ms_loadpatch import versions
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+HOST_LIBRARIES = ("mindspore", "mindone")
+
+
+def _pyproject():
+    path = os.path.join(REPO, "pyproject.toml")
+    if not os.path.exists(path):
+        pytest.skip("tests run outside the source tree")
+    import tomllib
+
+    with open(path, "rb") as f:
+        return tomllib.load(f)["project"]
+
+
+def test_host_libraries_are_not_dependencies():
+    names = {Requirement(line).name for line in _pyproject()["dependencies"]}
+    assert not names & set(HOST_LIBRARIES), "pip would upgrade or downgrade the user's framework"
+
+
+@pytest.mark.parametrize("extra", ["mindone", "test"])
+def test_extras_install_the_supported_ranges(extra):
+    declared = {Requirement(line).name: Requirement(line).specifier
+                for line in _pyproject()["optional-dependencies"][extra]}
+    for distribution, specifier in versions.SUPPORTED.items():
+        assert declared[distribution] == specifier, (extra, distribution)
+
+
+def _run(args, timeout=600, **kwargs):
+    proc = subprocess.run(args, capture_output=True, text=True, timeout=timeout, **kwargs)
+    assert proc.returncode == 0, f"{' '.join(map(str, args))} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    return proc
+
+
+def _versions_seen_by(python) -> dict:
+    code = ("import importlib.metadata as m, json\n"
+            "out = {}\n"
+            "for d in ('mindspore', 'mindone'):\n"
+            "    try:\n"
+            "        dist = m.distribution(d)\n"
+            "        out[d] = [dist.version, str(dist.locate_file(''))]\n"
+            "    except m.PackageNotFoundError:\n"
+            "        out[d] = None\n"
+            "print(json.dumps(out))")
+    return json.loads(_run([python, "-c", code]).stdout)
+
+
+@pytest.mark.matrix
+def test_pip_install_keeps_the_installed_mindspore(tmp_path):
+    """The user's environment: this test environment's mindspore and mindone
+    (whatever version the matrix installed), seen by a new venv through a
+    .pth line, as an environment with a framework installed by other means
+    would be. `pip install WHEEL` there, with the package index reachable,
+    must keep that mindspore and mindone: nothing installed over them."""
+    _pyproject()
+    installed = {d: importlib.metadata.version(d) for d in HOST_LIBRARIES}
+    wheels = tmp_path / "wheels"
+    _run([sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w", str(wheels), REPO])
+    (wheel,) = wheels.glob("ms_loadpatch-*.whl")
+
+    venv = tmp_path / "venv"
+    _run([sys.executable, "-m", "venv", str(venv)])
+    python = str(venv / "bin" / "python")
+    own_site = _run([python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"]).stdout.strip()
+    host_site = sysconfig.get_paths()["purelib"]  # where this environment's mindspore lives
+    with open(os.path.join(own_site, "zz_host_site.pth"), "w") as f:
+        f.write(host_site + "\n")
+    before = _versions_seen_by(python)
+    assert before["mindspore"][0] == installed["mindspore"], before
+
+    proc = _run([python, "-m", "pip", "install", "--progress-bar", "off", str(wheel)])
+    after = _versions_seen_by(python)
+    print(f"mindspore before: {before['mindspore'][0]}, after: {after['mindspore'][0]}; "
+          f"mindone before: {before['mindone'][0]}, after: {after['mindone'][0]}")
+    assert after == before, f"pip changed the host's framework:\n{proc.stdout[-3000:]}"
+    newly_installed = {dist.metadata["Name"].lower() for dist in importlib.metadata.distributions(path=[own_site])}
+    assert "ms-loadpatch" in newly_installed
+    assert not newly_installed & set(HOST_LIBRARIES), newly_installed
+    # and the installed plugin works there: it is accepted with that mindspore
+    code = "import json, ms_loadpatch.versions as v; print(json.dumps(v.check().versions))"
+    seen = json.loads(_run([python, "-c", code], cwd=str(tmp_path)).stdout)
+    assert seen == installed
