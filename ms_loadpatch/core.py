@@ -229,7 +229,7 @@ def _library_verdict(library: str, enabled: bool, gate: versions.GateResult, tar
         verdict["reason"] = f"{skipped[0]['target']} skipped: {skipped[0]['reason']}"
         verdict["advice"] = (f"loads run mindone's own path; a tested mindspore "
                              f"({versions.tested_versions('mindspore')}) gets the fast path")
-    elif any(row["state"] == PENDING for row in own):
+    elif any(row["state"] == PENDING for row in own if row["public"]):  # other modules: patched on import
         verdict["accelerated"] = None
         verdict["reason"] = f"mindone.{library} is not imported yet: patched, and probed, when it is"
     else:
