@@ -63,6 +63,24 @@ def _versions_seen_by(python) -> dict:
     return json.loads(_run([python, "-c", code]).stdout)
 
 
+def _is_the_plugins(entry: str) -> bool:
+    name = entry.lower().replace("-", "_")
+    return "ms_loadpatch" in name
+
+
+def _host_site_without_the_plugin(view):
+    """This environment's site-packages as a user's would be before installing
+    the plugin: every entry symlinked except ms-loadpatch's own (the test
+    environment has the plugin installed; pip would otherwise find it there
+    and install nothing)."""
+    host_site = sysconfig.get_paths()["purelib"]  # where this environment's mindspore lives
+    view.mkdir()
+    for entry in os.listdir(host_site):
+        if not _is_the_plugins(entry):
+            os.symlink(os.path.join(host_site, entry), view / entry)
+    return view
+
+
 @pytest.mark.matrix
 def test_pip_install_keeps_the_installed_mindspore(tmp_path):
     """The user's environment: this test environment's mindspore and mindone
@@ -80,9 +98,9 @@ def test_pip_install_keeps_the_installed_mindspore(tmp_path):
     _run([sys.executable, "-m", "venv", str(venv)])
     python = str(venv / "bin" / "python")
     own_site = _run([python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"]).stdout.strip()
-    host_site = sysconfig.get_paths()["purelib"]  # where this environment's mindspore lives
+    host_view = _host_site_without_the_plugin(tmp_path / "host-site")
     with open(os.path.join(own_site, "zz_host_site.pth"), "w") as f:
-        f.write(host_site + "\n")
+        f.write(str(host_view) + "\n")
     before = _versions_seen_by(python)
     assert before["mindspore"][0] == installed["mindspore"], before
 
