@@ -34,8 +34,8 @@ def pytest_configure(config):
 
 
 def _load_path(path, model_class=None, subfolder=None, **from_pretrained_kwargs):
-    from ms_loadpatch._child import import_model_class
-    from ms_loadpatch.bench import LoadSpec
+    from ms_loadpatch.tools._child import import_model_class
+    from ms_loadpatch.tools.bench import LoadSpec
 
     spec = LoadSpec.resolve(path, model_class if isinstance(model_class, str) else None, subfolder)
     cls = model_class if model_class is not None and not isinstance(model_class, str) else import_model_class(spec)[0]

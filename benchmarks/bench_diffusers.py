@@ -5,7 +5,7 @@ Generates its checkpoints (random weights, cached in $MS_LOADPATCH_CACHE or
 over --repeats, peak RSS, and the floors measured in the same run (reading
 every checkpoint byte; constructing under no_init_parameters). Every weight
 is touched before the clock stops. Single models go through the shared
-harness (ms_loadpatch.bench); the pipeline has its own child here.
+harness (ms_loadpatch.tools.bench); the pipeline has its own child here.
 
     python benchmarks/bench_diffusers.py --size small --repeats 1   # a quick check
     python benchmarks/bench_diffusers.py                            # the real one (a few GB of files)
@@ -21,7 +21,7 @@ import sys
 
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from ms_loadpatch import bench  # noqa: E402
+from ms_loadpatch.tools import bench  # noqa: E402
 
 from common import bench_main, bf16_copy, run_single  # noqa: E402
 
@@ -161,7 +161,7 @@ else:
 import mindspore as ms
 from mindspore import nn
 from mindone.diffusers import DiffusionPipeline
-from ms_loadpatch._child import _max_rss_bytes, _reset_peak_rss, prime_memory, touch_all
+from ms_loadpatch.tools._child import _max_rss_bytes, _reset_peak_rss, prime_memory, touch_all
 from ms_loadpatch.strategy import context
 from ms_loadpatch.testing import cpu_kernel_fallbacks
 reports = []

@@ -16,7 +16,7 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from ms_loadpatch import bench  # noqa: E402
+from ms_loadpatch.tools import bench  # noqa: E402
 
 from common import bench_main, bf16_copy, run_single  # noqa: E402
 

@@ -9,7 +9,7 @@ import os
 import struct
 
 import numpy as np
-from ms_loadpatch import bench
+from ms_loadpatch.tools import bench
 
 
 def to_bf16_file(src, dst):

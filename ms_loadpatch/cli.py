@@ -144,13 +144,13 @@ def _cmd_status(args) -> int:
 
 
 def _cmd_verify(args) -> int:
-    from . import verify
+    from .tools import verify
 
     return verify.main(args)
 
 
 def _cmd_bench(args) -> int:
-    from . import bench
+    from .tools import bench
 
     return bench.main(args)
 
@@ -164,7 +164,7 @@ def _add_load_options(parser, dtypes) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from .bench import MEMORY_MODES  # standard library only: cheap at start-up
+    from .tools.bench import MEMORY_MODES  # standard library only: cheap at start-up
 
     parser = argparse.ArgumentParser(prog="ms-loadpatch", description="Fast, bit-identical mindone model loading.")
     sub = parser.add_subparsers(dest="cmd", required=True)

@@ -16,7 +16,8 @@ import textwrap
 import pytest
 
 from conftest import run_python
-from ms_loadpatch import bench, cli
+from ms_loadpatch import cli
+from ms_loadpatch.tools import bench
 
 pytest_plugins = ["pytester"]
 
@@ -98,7 +99,7 @@ def _rss_bytes() -> int:
 def test_priming_stays_out_of_peak_rss():
     """bench --memory primed faults in and frees memory before each timed
     part; the peak RSS reported for the load must not include it."""
-    from ms_loadpatch._child import _max_rss_bytes, prime_memory
+    from ms_loadpatch.tools._child import _max_rss_bytes, prime_memory
 
     prime_memory(768 << 20)
     assert _max_rss_bytes() < _rss_bytes() + (256 << 20)
@@ -189,7 +190,7 @@ def test_snapshot_file_round_trip(tmp_path):
     import numpy as np
 
     from ms_loadpatch.testing import TensorRecord, compare
-    from ms_loadpatch.verify import read_snapshot, write_snapshot
+    from ms_loadpatch.tools.verify import read_snapshot, write_snapshot
 
     snap = {"tensors": {"a.weight": TensorRecord("param", (2, 2), "BFloat16", np.arange(4, dtype=np.uint16).reshape(2, 2),
                                                  True, "a.weight"),

@@ -81,7 +81,7 @@ def _on_cpu() -> bool:
 def _fallbacks(on_cpu: bool):
     import contextlib
 
-    from .testing import cpu_kernel_fallbacks
+    from ..testing import cpu_kernel_fallbacks
 
     return cpu_kernel_fallbacks() if on_cpu else contextlib.nullcontext()
 
@@ -112,7 +112,7 @@ def prime_memory(nbytes: int) -> None:
                          "use --memory as-is")
     from concurrent.futures import ThreadPoolExecutor
 
-    from .strategy.reader import read_threads
+    from ..strategy.reader import read_threads
 
     buffer = np.empty(nbytes, dtype=np.uint8)
     step = -(-nbytes // read_threads())
@@ -140,7 +140,7 @@ def _task_load(task: dict) -> dict:
     if spec.dtype:
         kwargs["dtype" if library == "transformers" else "mindspore_dtype"] = getattr(ms, spec.dtype)
     on_cpu = _on_cpu()
-    from .strategy import context
+    from ..strategy import context
 
     context._last_reports.clear()
     with _fallbacks(on_cpu):
@@ -170,7 +170,7 @@ def _task_load(task: dict) -> dict:
     result["tensors"] = len(list(model.parameters_and_names(expand=True))) + (
         len(list(named_buffers())) if named_buffers is not None else 0)
     if task.get("snapshot"):
-        from .testing import snapshot
+        from ..testing import snapshot
         from .verify import write_snapshot
 
         snap = snapshot(model)
@@ -188,7 +188,7 @@ def _warm_page_cache(files) -> None:
 
 
 def _task_floors(task: dict) -> dict:
-    from .strategy.reader import read_into
+    from ..strategy.reader import read_into
 
     spec = LoadSpec(**task["spec"])
     ms_loadpatch.disable()
@@ -241,8 +241,8 @@ def _cast_floor(files, dtype_name, prime_bytes: int = 0) -> float:
         return 0.0
     import mindspore as ms
 
-    from .strategy.reader import read_arrays
-    from .strategy.tensors import cast, to_tensor
+    from ..strategy.reader import read_arrays
+    from ..strategy.tensors import cast, to_tensor
 
     dtype = getattr(ms, dtype_name)
     seconds = 0.0

@@ -19,7 +19,7 @@ import tempfile
 import numpy as np
 
 from .bench import FALLBACK_NOTE, ChildError, LoadSpec, Progress, UsageError, measure_load
-from .testing import TensorRecord, compare
+from ..testing import TensorRecord, compare
 
 SHOWN_DIFFERENCES = 20
 EXIT_EQUAL, EXIT_DIFFERENT, EXIT_USAGE, EXIT_NO_REFERENCE = 0, 1, 2, 3

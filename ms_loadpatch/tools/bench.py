@@ -3,7 +3,7 @@ fresh process; also the engine under `ms-loadpatch verify`.
 
 Reusable from scripts (benchmarks/*.py)::
 
-    from ms_loadpatch import bench
+    from ms_loadpatch.tools import bench
 
     path = bench.cached_checkpoint("my-moe", "MixtralForCausalLM", {...config...})
     spec = bench.LoadSpec.resolve(path)              # class inferred from config.json
@@ -11,7 +11,7 @@ Reusable from scripts (benchmarks/*.py)::
     print(bench.format_table(results))
 
 This module imports no mindspore: every mindspore / mindone import happens in
-the child processes (`ms_loadpatch._child`), so each load starts cold and the
+the child processes (`ms_loadpatch.tools._child`), so each load starts cold and the
 parent's memory does not count in the children's peak RSS.
 """
 
@@ -34,7 +34,7 @@ DTYPES = ("float16", "bfloat16", "float32")
 CACHE_ENV_VAR = "MS_LOADPATCH_CACHE"
 FALLBACK_NOTE = ("; testing.cpu_kernel_fallbacks() applied to both loads "
                  "(kernels missing from mindspore's CPU wheel routed to equivalent ops)")
-_PACKAGE_PARENT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_PACKAGE_PARENT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 # Built-in checkpoints (Qwen2ForCausalLM, fp32, random weights, generated
 # locally). "default" is sized so the whole bench takes well under a minute on
@@ -237,7 +237,7 @@ def run_child(task: dict, mode: str, timeout: float | None = None) -> dict:
         with open(task_file, "w") as f:
             json.dump(task, f)
         # Appended, so an installed ms_loadpatch wins; makes a source checkout work too.
-        bootstrap = f"import sys; sys.path.append({_PACKAGE_PARENT!r}); from ms_loadpatch._child import main; main()"
+        bootstrap = f"import sys; sys.path.append({_PACKAGE_PARENT!r}); from ms_loadpatch.tools._child import main; main()"
         try:
             proc = subprocess.run([sys.executable, "-c", bootstrap, task_file], env=child_env(mode),
                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, timeout=timeout)
