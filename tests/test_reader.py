@@ -78,7 +78,7 @@ def test_short_reads_are_continued(chunked, odd_file, monkeypatch):
 def test_without_preadv_reads_in_one_thread(chunked, odd_file, monkeypatch):
     """Platforms without os.preadv (Windows) take the seek-and-read path."""
     monkeypatch.delattr(reader.os, "preadv")
-    monkeypatch.setattr(reader, "ThreadPoolExecutor", None)  # would fail if a pool were started
+    monkeypatch.setattr(reader, "run_in_threads", None)  # would fail if chunk threads were started
     _assert_as_safetensors_reads(odd_file)
 
 
@@ -111,7 +111,7 @@ def test_patched_load_with_chunked_reads_is_identical(chunked, tmp_path, cpu_ker
     chunk_reads = []
     real = reader._pread_into
     monkeypatch.setattr(reader, "_pread_into",
-                        lambda fd, view, offset: chunk_reads.append(offset) or real(fd, view, offset))
+                        lambda fd, view, offset, *rest: chunk_reads.append(offset) or real(fd, view, offset, *rest))
     config = hf.Qwen2Config(vocab_size=512, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
                             num_key_value_heads=2, intermediate_size=96, tie_word_embeddings=False)
     directory = write_random_checkpoint(mt.Qwen2ForCausalLM, config, str(tmp_path / "qwen2"),

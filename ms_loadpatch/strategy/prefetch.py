@@ -12,10 +12,9 @@ from __future__ import annotations
 import json
 import os
 import threading
-from concurrent.futures import ThreadPoolExecutor
 
 from ..activation import env_flag
-from .reader import background_read_threads, read_arrays
+from .reader import ReadStopped, background_read_threads, join_or_leave, read_arrays
 
 
 def parallel_workers() -> int:
@@ -29,47 +28,91 @@ def parallel_workers() -> int:
         return 8
 
 
+class _Pending:
+    """One file's read: done when `value` or `error` is set."""
+
+    def __init__(self):
+        self.done = threading.Event()
+        self.value = None
+        self.error: BaseException | None = None
+
+
 class Prefetcher:
+    """Files read by `workers` daemon threads (a read blocked on storage must
+    not hold up the interpreter's exit), at most `ahead` files held at once.
+    close() stops them: each read checks between parts of READ_STEP_BYTES."""
+
     def __init__(self, paths, workers: int = 1, ahead: int | None = None):
         self._paths = [os.path.normpath(os.fspath(p)) for p in paths]
         self._slots = threading.Semaphore(ahead if ahead is not None else workers + 1)
-        self._closed = False
+        self._stop = threading.Event()
         # Until the caller first waits for a file it is busy (building the
         # model, the critical path): reads leave it a core. Then they use all.
         self._caller_busy = True
-        self._pool = ThreadPoolExecutor(max_workers=max(1, workers), thread_name_prefix="ms_loadpatch-read")
-        self._futures = {path: self._pool.submit(self._read, path) for path in self._paths}
+        self._pending = {path: _Pending() for path in self._paths}
+        self._queue = list(self._paths)
+        self._queue_lock = threading.Lock()
+        self._workers = max(1, min(workers, len(self._paths)))
+        self._threads = []
 
-    def _read(self, path):
-        self._slots.acquire()
-        if self._closed:
-            self._slots.release()
-            return None
-        return read_arrays(path, background_read_threads() if self._caller_busy else None)
+    def start(self) -> None:
+        """Start the reads (after close() is registered to run whatever happens)."""
+        for i in range(self._workers):
+            thread = threading.Thread(target=self._work, name=f"ms_loadpatch-read-{i}", daemon=True)
+            try:
+                thread.start()
+            except RuntimeError:  # "can't start new thread": a thread limit
+                break
+            self._threads.append(thread)
+        if not self._threads:  # nothing will read ahead: take_or_read reads on demand
+            self._pending.clear()
+
+    def _work(self):
+        while not self._stop.is_set():
+            with self._queue_lock:
+                if not self._queue:
+                    return
+                path = self._queue.pop(0)
+            pending = self._pending[path]
+            self._slots.acquire()
+            try:
+                if not self._stop.is_set():
+                    threads = background_read_threads() if self._caller_busy else None
+                    pending.value = read_arrays(path, threads, self._stop)
+            except BaseException as exc:  # noqa: BLE001 - raised in the caller by take()
+                pending.error = exc
+            finally:
+                pending.done.set()
 
     def take(self, path):
         """(arrays, metadata) of `path`, waiting for its read; None if `path`
         was not prefetched. A read error is raised here, where a sequential
         read would have raised it."""
         self._caller_busy = False
-        future = self._futures.pop(os.path.normpath(os.fspath(path)), None)
-        if future is None:
+        pending = self._pending.pop(os.path.normpath(os.fspath(path)), None)
+        if pending is None:
             return None
         try:
-            return future.result()
+            pending.done.wait()  # interruptible: Ctrl-C reaches the caller at once
+            if pending.error is not None:
+                if isinstance(pending.error, ReadStopped):
+                    return None  # stopped (cannot happen before close): read it here
+                raise pending.error
+            return pending.value
         finally:
+            pending.error = pending.value = None
             self._slots.release()
 
     def close(self) -> None:
-        """Drop what was not taken; wait for running reads (they own buffers)."""
-        self._closed = True
-        for future in self._futures.values():
-            future.cancel()
-        # wake readers blocked on a slot so they can see _closed and return
-        for _ in self._futures:
+        """Drop what was not taken; stop running reads and wait for them a
+        bounded time (join_or_leave)."""
+        self._stop.set()
+        # wake readers blocked on a slot so they can see the stop
+        for _ in self._threads:
             self._slots.release()
-        self._futures.clear()
-        self._pool.shutdown(wait=True)
+        self._pending.clear()
+        join_or_leave(self._threads, self._stop, "reading ahead " + ", ".join(self._paths[:3]) +
+                      (" ..." if len(self._paths) > 3 else ""))
 
 
 def local_checkpoint_files(candidates) -> list[str]:
@@ -101,6 +144,7 @@ def start_prefetch(ctx, files) -> Prefetcher | None:
         return None
     prefetcher = Prefetcher(files, workers=workers)
     ctx.cleanup.callback(prefetcher.close)
+    prefetcher.start()
     ctx.cache["prefetcher"] = prefetcher
     return prefetcher
 

@@ -15,11 +15,14 @@ two readers against each other.
 
 from __future__ import annotations
 
+import errno
 import json
+import logging
 import math
 import os
 import struct
-from concurrent.futures import ThreadPoolExecutor
+import threading
+import time
 
 import numpy as np
 from safetensors import SafetensorError
@@ -35,6 +38,7 @@ _UNSUPPORTED_DTYPES = frozenset(
     {"F4", "F6_E2M3", "F6_E3M2", "F8_E5M2", "F8_E4M3", "F8_E8M0", "F8_E4M3FNUZ", "F8_E5M2FNUZ", "C64"}
 )
 _TENSOR_FIELDS = ("dtype", "shape", "data_offsets")
+logger = logging.getLogger("ms_loadpatch")
 
 
 class _FileProblem:
@@ -323,17 +327,35 @@ def named_safetensors_error(path, original: Exception) -> SafetensorsFileError |
 def read_header(path) -> SafetensorsHeader:
     try:
         with open(path, "rb") as f:
-            file_size = os.fstat(f.fileno()).st_size
-            head = f.read(8)
-            if len(head) == 8 and not head.startswith(_LFS_POINTER_PREFIX[:8]):
-                (header_len,) = struct.unpack("<Q", head)
-                if header_len <= MAX_HEADER_BYTES:
-                    head += f.read(header_len)
-            else:
-                head += f.read(64)
-    except FileNotFoundError:
-        raise CheckpointNotFoundError(path, "the file does not exist") from None
+            return _read_header_from(f, path)
+    except CheckpointError:
+        raise
+    except OSError as exc:
+        raise checkpoint_os_error(path, exc) from exc
+
+
+def _read_header_from(f, path) -> SafetensorsHeader:
+    file_size = os.fstat(f.fileno()).st_size
+    head = f.read(8)
+    if len(head) == 8 and not head.startswith(_LFS_POINTER_PREFIX[:8]):
+        (header_len,) = struct.unpack("<Q", head)
+        if header_len <= MAX_HEADER_BYTES:
+            head += f.read(header_len)
+    else:
+        head += f.read(64)
     return parse_header(path, file_size, head)
+
+
+def checkpoint_os_error(path, exc: OSError) -> OSError:
+    """`exc` (an OSError met opening or reading `path`) as a CheckpointError
+    naming the file, with the same errno."""
+    if isinstance(exc, FileNotFoundError):
+        return CheckpointNotFoundError(path, "the file does not exist")
+    reason = exc.strerror or str(exc) or type(exc).__name__
+    error = CheckpointError(path, f"{reason} (errno {errno.errorcode.get(exc.errno, exc.errno)})"
+                            if exc.errno else reason)
+    error.errno, error.strerror = exc.errno, exc.strerror
+    return error
 
 
 # Below this a file's data is read in one call; above, in a few threads: page
@@ -352,59 +374,169 @@ def background_read_threads() -> int:
     return max(1, (os.cpu_count() or 1) - 1)
 
 
-def _fill(view: memoryview, read_part) -> int:
-    """Call read_part(rest of view, bytes so far) until `view` is full or it
-    returns 0 (end of file); the count read. Loops: one read(2) returns at
-    most about 2 GiB, and shards are often larger."""
+# One read(2) at most this long: a stop request is seen between two.
+READ_STEP_BYTES = 64 << 20
+# How long a stopped load waits for its reader threads before leaving them to
+# finish in the background (a read blocked on storage that does not answer).
+STOP_GRACE_SECONDS = 2.0
+
+
+class ReadStopped(Exception):
+    """A read abandoned on request (the load it was for has ended)."""
+
+
+def _fill(view: memoryview, read_part, stop=None) -> int:
+    """Call read_part(next part of view, bytes so far) until `view` is full
+    or it returns 0 (end of file); the count read. Loops: one read(2) returns
+    at most about 2 GiB, and shards are often larger. Checks `stop` (an
+    Event) between parts."""
     got = 0
     while got < len(view):
-        n = read_part(view[got:], got)
+        if stop is not None and stop.is_set():
+            raise ReadStopped()
+        n = read_part(view[got : got + READ_STEP_BYTES], got)
         if not n:
             break
         got += n
     return got
 
 
-def _pread_into(fd: int, view: memoryview, offset: int) -> int:
-    return _fill(view, lambda part, done: os.preadv(fd, [part], offset + done))
+def _pread_into(fd: int, view: memoryview, offset: int, stop=None) -> int:
+    return _fill(view, lambda part, done: os.preadv(fd, [part], offset + done), stop)
 
 
-def _seek_read_into(fd: int, view: memoryview, offset: int) -> int:
+def _seek_read_into(fd: int, view: memoryview, offset: int, stop=None) -> int:
     """_pread_into where there is no preadv (Windows): one thread, seek then read."""
     os.lseek(fd, offset, os.SEEK_SET)
     with open(fd, "rb", buffering=0, closefd=False) as f:
-        return _fill(view, lambda part, done: f.readinto(part))
+        return _fill(view, lambda part, done: f.readinto(part), stop)
 
 
-def read_into(fd: int, buffer: np.ndarray, offset: int, threads: int | None = None) -> int:
+def join_or_leave(threads, stop, what: str, grace: float | None = None) -> None:
+    """Ask `threads` to stop (`stop.set()`), wait up to `grace` seconds for
+    them, then leave the rest (daemon threads, each owning its buffer and file)
+    to end on their own when their read returns, with a warning naming `what`."""
+    stop.set()
+    deadline = time.monotonic() + (STOP_GRACE_SECONDS if grace is None else grace)
+    for thread in threads:
+        if thread.ident is not None:
+            thread.join(max(0.0, deadline - time.monotonic()))
+    alive = [t.name for t in threads if t.is_alive()]
+    if alive:
+        logger.warning(
+            "ms_loadpatch: %s did not stop within %.1f s (storage not answering?); %s left to end in the background",
+            what, STOP_GRACE_SECONDS if grace is None else grace, ", ".join(alive),
+        )
+
+
+def run_in_threads(calls, name: str, stop, what: str) -> list:
+    """Each of `calls` in a daemon thread of its own (a read blocked on storage
+    must not hold up the interpreter's exit); their results in order, the first
+    error raised. If this thread is interrupted meanwhile, the others are
+    stopped (join_or_leave) before the interrupt goes on. A thread that cannot
+    be started (a thread limit) has its call run here instead."""
+    results, errors = [None] * len(calls), []
+
+    def run(i):
+        try:
+            results[i] = calls[i]()
+        except BaseException as exc:  # noqa: BLE001 - handed to the caller
+            errors.append(exc)
+            stop.set()
+
+    threads = []
+    try:
+        for i in range(len(calls)):
+            thread = threading.Thread(target=run, args=(i,), name=f"{name}-{i}", daemon=True)
+            try:
+                thread.start()
+            except RuntimeError:  # "can't start new thread"
+                run(i)
+                continue
+            threads.append(thread)
+        for thread in threads:
+            thread.join()
+    except BaseException:
+        join_or_leave(threads, stop, what)
+        raise
+    real = [e for e in errors if not isinstance(e, ReadStopped)]
+    if real or errors:
+        raise (real or errors)[0]
+    return results
+
+
+def read_into(fd: int, buffer: np.ndarray, offset: int, threads: int | None = None, stop=None, what="a read") -> int:
     """Read len(buffer) bytes of `fd` from `offset` into `buffer`, split
-    across threads for large reads; the count read."""
+    across threads for large reads; the count read. `stop` (an Event) ends
+    it early with ReadStopped."""
     view = memoryview(buffer).cast("B")
     threads = read_threads() if threads is None else threads
     if not hasattr(os, "preadv"):
-        return _seek_read_into(fd, view, offset)
+        return _seek_read_into(fd, view, offset, stop)
     if threads <= 1 or len(view) < PARALLEL_READ_MIN_BYTES:
-        return _pread_into(fd, view, offset)
+        return _pread_into(fd, view, offset, stop)
     step = -(-len(view) // threads // _ALIGN) * _ALIGN
     bounds = [(lo, min(lo + step, len(view))) for lo in range(0, len(view), step)]
-    with ThreadPoolExecutor(max_workers=len(bounds), thread_name_prefix="ms_loadpatch-read-chunk") as pool:
-        counts = list(pool.map(lambda b: _pread_into(fd, view[b[0]:b[1]], offset + b[0]), bounds))
+    chunk_stop = threading.Event()
+    if stop is not None and stop.is_set():
+        raise ReadStopped()
+
+    def chunk(lo, hi):
+        return _pread_into(fd, view[lo:hi], offset + lo, _Either(stop, chunk_stop))
+
+    counts = run_in_threads([lambda b=b: chunk(*b) for b in bounds], "ms_loadpatch-read-chunk", chunk_stop, what)
     for (lo, hi), count in zip(bounds, counts):
         if count != hi - lo:  # a short chunk: the file ends inside it
             return lo + count
     return len(view)
 
 
-def read_arrays(path, threads: int | None = None) -> tuple[dict[str, np.ndarray], dict | None]:
+class _Either:
+    """is_set() of either of two Events (the load's stop, or a sibling chunk's failure)."""
+
+    def __init__(self, first, second):
+        self._events = [e for e in (first, second) if e is not None]
+
+    def is_set(self) -> bool:
+        return any(e.is_set() for e in self._events)
+
+
+def read_arrays(path, threads: int | None = None, stop=None) -> tuple[dict[str, np.ndarray], dict | None]:
     """All tensors of one file as numpy views of one owned buffer, in file
-    order; `threads` for the data read (default read_threads())."""
-    header = read_header(path)
-    data_len = max((end for _, _, _, end in header.entries.values()), default=0)
-    buffer = np.empty(data_len, dtype=np.uint8)
-    with open(path, "rb", buffering=0) as f:
-        got = read_into(f.fileno(), buffer, header.data_start, threads) if data_len else 0
+    order; `threads` for the data read (default read_threads()); `stop` (an
+    Event) abandons the read (ReadStopped).
+
+    Header and data come through one open file, and the file's size and
+    modification time must be the same after the read as before it: a file
+    replaced, rewritten, grown or shrunk meanwhile is refused, never mixed.
+    Errors name the file: CheckpointError (an OSError, with the errno) for a
+    file that cannot be opened or read, MemoryError when its data does not fit."""
+    try:
+        with open(path, "rb") as f:  # buffered for the header; the data by preadv on its fd
+            before = os.fstat(f.fileno())
+            header = _read_header_from(f, path)
+            data_len = max((end for _, _, _, end in header.entries.values()), default=0)
+            try:
+                buffer = np.empty(data_len, dtype=np.uint8)
+            except MemoryError as exc:
+                raise MemoryError(
+                    f"Cannot load checkpoint file {os.fspath(path)}: not enough memory for its {data_len} bytes of "
+                    f"tensor data ({exc})"
+                ) from exc
+            got = read_into(f.fileno(), buffer, header.data_start, threads, stop, f"the read of {os.fspath(path)}") \
+                if data_len else 0
+            after = os.fstat(f.fileno())
+    except CheckpointError:
+        raise
+    except OSError as exc:
+        raise checkpoint_os_error(path, exc) from exc
     if got != data_len:
         raise CheckpointError(path, f"read {got} of {data_len} data bytes: the file changed or is truncated")
+    if (after.st_size, after.st_mtime_ns) != (before.st_size, before.st_mtime_ns):
+        raise CheckpointError(
+            path, f"the file changed while it was read (size {before.st_size} -> {after.st_size} bytes, "
+            "modification time changed): is another process writing it?"
+        )
     arrays = {}
     for name, (dtype, shape, begin, end) in header.entries.items():
         view = buffer[begin:end]
