@@ -215,9 +215,18 @@ def _broken_copy(checkpoints, tmp_path, name, defect):
     return directory, path, key
 
 
-def _assert_same_failure(library, directory, expected_type):
+def assert_names_file(error, path, key=None) -> None:
+    """The property every error leaving a patched load has: its message names
+    the file it is about (and the tensor, where there is one)."""
+    assert str(path) in str(error), f"the file {path} is not named: {type(error).__name__}: {error}"
+    if key is not None:
+        assert repr(key) in str(error), f"the tensor {key!r} is not named: {type(error).__name__}: {error}"
+
+
+def _assert_same_failure(library, directory, expected_type, path, key=None):
     """Unpatched and patched loads of `directory` both fail, with compatible
-    types; the patched one leaves the process as it was. Returns both exceptions."""
+    types; the patched one names `path` (and `key`) and leaves the process as
+    it was. Returns both exceptions."""
     with ms_loadpatch.disabled():
         unpatched = raised(lambda: _load(library, directory))
     assert type(unpatched) is expected_type, f"unpatched mindone now raises {type(unpatched)}: {unpatched}"
@@ -225,6 +234,7 @@ def _assert_same_failure(library, directory, expected_type):
     patched = raised(lambda: _load(library, directory))
     assert_state_restored(before)
     assert isinstance(patched, type(unpatched)), f"{type(patched)} is not a {type(unpatched)}: {patched}"
+    assert_names_file(patched, path, key)
     return unpatched, patched
 
 
@@ -236,21 +246,18 @@ def _assert_same_failure(library, directory, expected_type):
 @pytest.mark.parametrize("defect", FILE_DEFECTS, ids=lambda f: f.__name__)
 def test_broken_file(checkpoints, tmp_path, library, layout, defect):
     directory, path, key = _broken_copy(checkpoints, tmp_path, f"{library}-{layout}", defect)
-    unpatched, patched = _assert_same_failure(library, directory, UNPATCHED_TYPE[library, layout])
+    unpatched, patched = _assert_same_failure(library, directory, UNPATCHED_TYPE[library, layout], path, key)
     if (library, layout) == ("df", "single"):
-        # the diffusers glue hands a file its reader refuses back to mindone: mindone's own error,
-        # which for a git-lfs pointer does not name the file (a gap of the diffusers glue)
-        assert (type(patched), str(patched)) == (type(unpatched), str(unpatched))
-        assert path in str(patched) or defect is lfs_pointer
-        return
-    # ours: the file, the reason, and the tensor where there is one
-    assert path in str(patched), f"the file is not named: {patched}"
-    if key is not None:
-        assert repr(key) in str(patched), f"the tensor is not named: {patched}"
+        # the diffusers glue hands a file its reader refuses back to mindone: mindone's own error, chained,
+        # its message followed by the reader's (file, tensor, reason); mindone's git-lfs one lacks even the file
+        assert type(patched) is type(unpatched) and str(patched).startswith(str(unpatched))
+        assert str(patched.__cause__) == str(unpatched)
+        assert (path in str(unpatched)) is (defect is not lfs_pointer)
+    # ours: the file (checked above), the reason, and the tensor where there is one
     reason = {"truncated": "truncated", "header_not_json": "not valid JSON", "offsets_past_end": "past the end",
               "unknown_dtype": "unknown dtype 'F33'", "empty_file": "empty", "lfs_pointer": "git-lfs"}
     assert reason[defect.__name__] in str(patched), str(patched)
-    if layout == "single":  # unpatched: safetensors' bare message, no file name
+    if (library, layout) == ("tf", "single"):  # unpatched: safetensors' bare message, no file name
         assert path not in str(unpatched)
 
 
@@ -260,7 +267,7 @@ def test_broken_shard_parallel_reader(checkpoints, tmp_path, monkeypatch):
     monkeypatch.setenv("HF_ENABLE_PARALLEL_LOADING", "1")
     monkeypatch.setenv("HF_PARALLEL_LOADING_WORKERS", "3")
     directory, path, key = _broken_copy(checkpoints, tmp_path, "tf-sharded", offsets_past_end)
-    _, patched = _assert_same_failure("tf", directory, OSError)
+    _, patched = _assert_same_failure("tf", directory, OSError, path, key)
     assert isinstance(patched, CheckpointError) and patched.path == path and patched.key == key
     assert not [t for t in threading.enumerate() if t.name.startswith("ms_loadpatch-read")]
 
@@ -276,6 +283,7 @@ def test_broken_file_direct_load_state_dict(checkpoints, tmp_path, defect):
     assert_state_restored(before)
     assert type(unpatched) is OSError and isinstance(patched, CheckpointError)
     assert patched.path == path and (key is None or patched.key == key)
+    assert_names_file(patched, path, key)
 
 
 # -- 1. broken checkpoints as a whole
@@ -289,8 +297,7 @@ def test_missing_shard(checkpoints, tmp_path, library):
         return path, None
 
     directory, path, _ = _broken_copy(checkpoints, tmp_path, f"{library}-sharded", remove)
-    _, patched = _assert_same_failure(library, directory, FileNotFoundError)
-    assert path in str(patched)
+    _assert_same_failure(library, directory, FileNotFoundError, path)
 
 
 def _map_shard_to_first(directory):
@@ -323,8 +330,8 @@ def test_index_maps_tensors_to_wrong_shard(checkpoints, tmp_path, library):
     before = process_state()
     error = raised(lambda: _load(library, directory))
     assert_state_restored(before)
-    assert isinstance(error, CheckpointError) and error.key in moved
-    assert error.path == _shards(directory)[0] and error.path in str(error) and repr(error.key) in str(error)
+    assert isinstance(error, CheckpointError) and error.key in moved and error.path == _shards(directory)[0]
+    assert_names_file(error, error.path, error.key)
 
 
 def test_index_maps_one_tensor_to_wrong_shard_still_read(checkpoints, tmp_path):
@@ -342,28 +349,34 @@ def test_index_maps_one_tensor_to_wrong_shard_still_read(checkpoints, tmp_path):
     assert_same_model(reference, accelerated)
 
 
+@pytest.mark.parametrize("layout", ["single", "sharded"])
 @pytest.mark.parametrize("library", ["tf", "df"])
-def test_shape_mismatch(checkpoints, tmp_path, library):
+def test_shape_mismatch(checkpoints, tmp_path, library, layout):
+    """A config that does not match the weights; the error names the first
+    file (in load order) holding a tensor of the wrong shape."""
+    if library == "tf":
+        config_change, key = {"intermediate_size": 48}, "model.layers.0.mlp.gate_proj.weight"
+        changed = lambda k: ".mlp." in k  # noqa: E731
+    else:
+        config_change, key = {"latent_channels": 2}, None  # the two loaders report different first keys
+        changed = lambda k: k.split(".")[0] in ("quant_conv", "post_quant_conv") or k.startswith(  # noqa: E731
+            ("encoder.conv_out.", "decoder.conv_in."))
+
     def shrink(directory):
         config_path = directory / "config.json"
-        config = json.loads(config_path.read_text())
-        if library == "tf":
-            config["intermediate_size"] = 48
-            key = "model.layers.0.mlp.gate_proj.weight"
-        else:
-            config["latent_channels"] = 2
-            key = None  # the two loaders report different first keys; both name one
-        config_path.write_text(json.dumps(config))
-        return _shards(directory)[0], key
+        config_path.write_text(json.dumps(dict(json.loads(config_path.read_text()), **config_change)))
+        first = next(p for p in _shards(directory) if any(changed(k) for k in load_file(p)))
+        return first, key if layout == "single" else None
 
-    directory, path, key = _broken_copy(checkpoints, tmp_path, f"{library}-single", shrink)
-    unpatched, patched = _assert_same_failure(library, directory, RuntimeError)
+    directory, path, key = _broken_copy(checkpoints, tmp_path, f"{library}-{layout}", shrink)
+    unpatched, patched = _assert_same_failure(library, directory, RuntimeError, path, key and None)
     if library == "tf":
-        assert "size mismatch for " + key in str(unpatched) and "size mismatch for " + key in str(patched)
-        assert path in str(patched) and path not in str(unpatched)  # ours names the file too
+        if key is not None:
+            assert "size mismatch for " + key in str(unpatched) and "size mismatch for " + key in str(patched)
+        assert path not in str(unpatched)  # ours names the file too
         assert "ignore_mismatched_sizes" not in str(unpatched)  # mindone's hint is never reached in 0.5.0
     else:
-        assert "should have the same shape" in str(patched)
+        assert "should have the same shape" in str(patched) and path not in str(unpatched)
 
 
 @pytest.mark.parametrize("library", ["tf", "df"])
@@ -374,5 +387,4 @@ def test_no_weights(checkpoints, tmp_path, library):
         return None, None
 
     directory, _, _ = _broken_copy(checkpoints, tmp_path, f"{library}-single", remove_all)
-    _, patched = _assert_same_failure(library, directory, OSError)
-    assert str(directory) in str(patched)
+    _assert_same_failure(library, directory, OSError, directory)  # no file: the directory

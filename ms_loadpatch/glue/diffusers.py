@@ -36,7 +36,7 @@ import wrapt
 from mindspore import ops
 
 from .. import core
-from . import overridden_method
+from . import file_named, overridden_method
 from ..strategy import context
 from ..strategy.assign import cast_parameters
 from ..strategy.construct import CONSTRUCTION_LOCK, lazy_construction
@@ -176,9 +176,11 @@ def load_state_dict(wrapped, instance, args, kwargs):
     ctx = _active()
     try:
         arrays = _read(ctx, checkpoint_file)
-    except CheckpointError as exc:
-        logger.debug("ms_loadpatch: %s left to mindone: %s", checkpoint_file, exc)
-        return wrapped(*args, **kwargs)
+    except CheckpointError as refused:
+        logger.debug("ms_loadpatch: %s left to mindone: %s", checkpoint_file, refused)
+        # mindone's error, with the file, tensor and reason its message lacks (git-lfs: even the file)
+        with file_named(checkpoint_file, reason=refused):
+            return wrapped(*args, **kwargs)
     if ctx is None:
         return {name: ms.Parameter(array, name=name) for name, array in arrays.items()}
     return {name: to_tensor(array) for name, array in arrays.items()}
@@ -257,15 +259,18 @@ def load_shard_file(wrapped, instance, args, kwargs):
     owner, index = ctx.cache["index"]
     if owner is not model:
         return wrapped(*args, **kwargs)
-    if isinstance(shard_file, dict):
-        state_dict = shard_file
+    if isinstance(shard_file, dict):  # a single file, read by load_state_dict
+        state_dict, path = shard_file, ctx.cache.get("last_file")
     else:
         state_dict = {name: to_tensor(array) for name, array in _read(ctx, shard_file).items()}
-    mismatched_keys = sys.modules[_LOADING_MODULE]._find_mismatched_keys(
-        state_dict, kwargs["model_state_dict"], kwargs.get("loaded_keys"), kwargs.get("ignore_mismatched_sizes", False)
-    )
-    with ctx.report.phase("assign"):
-        _assign(ctx, index, state_dict, kwargs.get("dtype"), kwargs.get("keep_in_fp32_modules"))
+        path = shard_file
+    with file_named(path):  # whatever fails with this file's tensors names it
+        mismatched_keys = sys.modules[_LOADING_MODULE]._find_mismatched_keys(
+            state_dict, kwargs["model_state_dict"], kwargs.get("loaded_keys"),
+            kwargs.get("ignore_mismatched_sizes", False)
+        )
+        with ctx.report.phase("assign"):
+            _assign(ctx, index, state_dict, kwargs.get("dtype"), kwargs.get("keep_in_fp32_modules"))
     return kwargs.get("offload_index"), kwargs.get("state_dict_index"), mismatched_keys, []
 
 
@@ -347,6 +352,7 @@ def _read(ctx, path) -> dict:
     ctx.report.tensors_read += len(arrays)
     ctx.report.shards += 1
     ctx.cache.setdefault("keys_read", set()).update(arrays)  # checked against the index
+    ctx.cache["last_file"] = os.fspath(path)  # named in errors about its tensors
     return arrays
 
 

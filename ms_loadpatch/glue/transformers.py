@@ -19,7 +19,7 @@ import mindspore as ms
 import wrapt
 
 from .. import core
-from . import overridden_method
+from . import file_named, overridden_method
 from ..strategy import context
 from ..strategy.assign import assign, cast_parameters, cell_to_keeping_lazy, check_and_pair
 from ..strategy.construct import CONSTRUCTION_LOCK, initialize_unloaded, lazy_construction, state_index
@@ -299,7 +299,8 @@ def load_state_dict_into_model(wrapped, instance, args, kwargs):
             if "last_file" not in ctx.cache:
                 raise
             raise RuntimeError(f"{exc}\n\t(checkpoint file: {ctx.cache['last_file']})") from None
-        assign(pairs, ctx.loaded, ctx.report)
+        with file_named(ctx.cache.get("last_file")):
+            assign(pairs, ctx.loaded, ctx.report)
         if len(start_prefix) > 0:
             for name, param in model_to_load.parameters_and_names():
                 param.name = name
