@@ -17,9 +17,10 @@ import sys
 
 import mindspore as ms
 import wrapt
+from safetensors import SafetensorError
 
 from .. import core
-from . import file_named, overridden_method
+from . import file_named, naming_the_file, overridden_method
 from ..strategy import context
 from ..strategy.assign import assign, cast_parameters, cell_to_keeping_lazy, check_and_pair
 from ..strategy.construct import CONSTRUCTION_LOCK, initialize_unloaded, lazy_construction, state_index
@@ -97,8 +98,8 @@ def _local_checkpoint_files(args, kwargs) -> list[str]:
 def _name_the_file(exc, wrapped):
     """mindone checks a single-file checkpoint with safetensors' safe_open,
     whose error names neither the file nor, often, the problem ("header too
-    large" for a git-lfs pointer). The same exception type, saying both; None
-    when `exc` is not that error."""
+    large" for a git-lfs pointer), nor does an OSError or MemoryError met
+    there. The same exception type, saying both; None for other errors."""
     code = getattr(getattr(wrapped, "__func__", wrapped), "__code__", None)
     path, tb = None, exc.__traceback__
     while tb is not None:
@@ -107,6 +108,8 @@ def _name_the_file(exc, wrapped):
         tb = tb.tb_next
     if not isinstance(path, (str, os.PathLike)):
         return None
+    if isinstance(exc, (OSError, MemoryError)) and not isinstance(exc, SafetensorError):
+        return naming_the_file(exc, path)  # e.g. ENOMEM from its memory map
     return named_safetensors_error(path, exc)
 
 

@@ -28,6 +28,10 @@ def parallel_workers() -> int:
         return 8
 
 
+# How often a caller waiting for a read looks at pending interrupts.
+INTERRUPT_CHECK_SECONDS = 0.05
+
+
 class _Pending:
     """One file's read: done when `value` or `error` is set."""
 
@@ -59,26 +63,33 @@ class Prefetcher:
         """Start the reads (after close() is registered to run whatever happens)."""
         for i in range(self._workers):
             thread = threading.Thread(target=self._work, name=f"ms_loadpatch-read-{i}", daemon=True)
+            self._threads.append(thread)  # before start: an interrupt right after it still finds it in close()
             try:
                 thread.start()
             except RuntimeError:  # "can't start new thread": a thread limit
+                self._threads.pop()
                 break
-            self._threads.append(thread)
         if not self._threads:  # nothing will read ahead: take_or_read reads on demand
             self._pending.clear()
 
     def _work(self):
         while not self._stop.is_set():
+            # the slot first, then the next file: files holding slots are
+            # always the next ones in order, so the file the caller waits for
+            # is never behind reads it has not asked for yet
+            self._slots.acquire()
             with self._queue_lock:
-                if not self._queue:
+                if self._stop.is_set() or not self._queue:
+                    self._slots.release()
                     return
                 path = self._queue.pop(0)
-            pending = self._pending[path]
-            self._slots.acquire()
+                pending = self._pending.get(path)
+            if pending is None:  # dropped by close()
+                self._slots.release()
+                return
             try:
-                if not self._stop.is_set():
-                    threads = background_read_threads() if self._caller_busy else None
-                    pending.value = read_arrays(path, threads, self._stop)
+                threads = background_read_threads() if self._caller_busy else None
+                pending.value = read_arrays(path, threads, self._stop)
             except BaseException as exc:  # noqa: BLE001 - raised in the caller by take()
                 pending.error = exc
             finally:
@@ -86,14 +97,23 @@ class Prefetcher:
 
     def take(self, path):
         """(arrays, metadata) of `path`, waiting for its read; None if `path`
-        was not prefetched. A read error is raised here, where a sequential
-        read would have raised it."""
+        was not prefetched or its read has not started (the caller reads it
+        then). A read error is raised here, where a sequential read would
+        have raised it."""
         self._caller_busy = False
-        pending = self._pending.pop(os.path.normpath(os.fspath(path)), None)
-        if pending is None:
-            return None
+        path = os.path.normpath(os.fspath(path))
+        with self._queue_lock:
+            pending = self._pending.pop(path, None)
+            if pending is None:
+                return None
+            if path in self._queue:  # not started: no slot held; read by the caller now
+                self._queue.remove(path)
+                return None
         try:
-            pending.done.wait()  # interruptible: Ctrl-C reaches the caller at once
+            # in short waits: a KeyboardInterrupt pending in Python (which a
+            # blocked wait would not see before the read ends) is raised here
+            while not pending.done.wait(INTERRUPT_CHECK_SECONDS):
+                pass
             if pending.error is not None:
                 if isinstance(pending.error, ReadStopped):
                     return None  # stopped (cannot happen before close): read it here
@@ -110,7 +130,9 @@ class Prefetcher:
         # wake readers blocked on a slot so they can see the stop
         for _ in self._threads:
             self._slots.release()
-        self._pending.clear()
+        with self._queue_lock:
+            self._pending.clear()
+            self._queue.clear()
         join_or_leave(self._threads, self._stop, "reading ahead " + ", ".join(self._paths[:3]) +
                       (" ..." if len(self._paths) > 3 else ""))
 

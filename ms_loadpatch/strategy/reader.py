@@ -49,7 +49,11 @@ class _FileProblem:
         self.key = key
         self.problem = problem
         where = f"tensor {key!r} of " if key is not None else ""
-        super().__init__(f"Cannot load {where}checkpoint file {self.path}: {problem}")
+        self.message = f"Cannot load {where}checkpoint file {self.path}: {problem}"
+        super().__init__(self.message)
+
+    def __str__(self):  # not OSError's "[Errno N] strerror", which drops the file
+        return self.message
 
 
 class CheckpointError(_FileProblem, OSError):
