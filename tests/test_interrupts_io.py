@@ -110,22 +110,14 @@ def _interrupt_at(point, library, monkeypatch, interrupt, slow_read_seconds=0.5)
 
             monkeypatch.setattr(df_glue, "_assign", assign)
     elif point == "init-missing":  # while the weights the checkpoint lacks are initialised
-        if library == "tf":
-            real_init = tf_glue.initialize_unloaded
+        module, name = (tf_glue, "initialize_unloaded") if library == "tf" else (df_glue, "_initialise_lazy")
+        real_init = getattr(module, name)
 
-            def initialize(*args, **kwargs):
-                interrupt.hit()
-                return real_init(*args, **kwargs)
+        def initialize(*args, **kwargs):
+            interrupt.hit()
+            return real_init(*args, **kwargs)
 
-            monkeypatch.setattr(tf_glue, "initialize_unloaded", initialize)
-        else:
-            real_init = df_glue._initialise_lazy
-
-            def initialize(*args, **kwargs):
-                interrupt.hit()
-                return real_init(*args, **kwargs)
-
-            monkeypatch.setattr(df_glue, "_initialise_lazy", initialize)
+        monkeypatch.setattr(module, name, initialize)
     else:
         raise ValueError(point)
 
@@ -150,9 +142,6 @@ def _without_one_tensor(checkpoints, tmp_path, name):
     return directory
 
 
-LATENCIES = {}
-
-
 @pytest.mark.parametrize("point", ["construction", "read", "assign", "init-missing"])
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("library", LIBRARIES)
@@ -173,7 +162,6 @@ def test_keyboard_interrupt(checkpoints, tmp_path, monkeypatch, library, layout,
             pytest.fail(f"the load returned a {type(model).__name__} although interrupted ({interrupt.sent_at})")
     assert interrupt.sent_at is not None, f"the load never reached {point}"
     latency = caught_at - interrupt.sent_at
-    LATENCIES[library, layout, point] = (latency, interrupt.thread)
     print(f"\ninterrupt at {point} ({library}-{layout}, sent from {interrupt.thread}): "
           f"reached the caller after {latency * 1000:.1f} ms")
     assert not _reader_threads(), "reader threads left running"

@@ -1,6 +1,7 @@
 """Wrappers that hook the loading strategy into mindone (one module per library)."""
 
 import contextlib
+import os
 
 
 def overridden_method(cls, base, names) -> str | None:
@@ -20,8 +21,6 @@ def naming_the_file(exc: Exception, path, key: str | None = None, reason=None) -
     (and tensor) it is about, or `reason` (a message naming them), for the
     caller to raise `from exc`; None when the message says it already, or
     when that type cannot be built from a message (then a note on `exc` says it)."""
-    import os
-
     path = os.fspath(path)
     if reason is not None:
         where = str(reason)
