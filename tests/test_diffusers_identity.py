@@ -30,6 +30,7 @@ from mindspore import mint, ops  # noqa: E402
 import ms_loadpatch  # noqa: E402
 from ms_loadpatch.glue import diffusers as glue  # noqa: E402
 from ms_loadpatch.strategy import context  # noqa: E402
+from ms_loadpatch.strategy.reader import read_arrays  # noqa: E402
 from ms_loadpatch.testing import assert_same_model, compare, cpu_kernel_fallbacks, load_both, snapshot  # noqa: E402
 
 FP32, FP16, BF16 = ms.float32, ms.float16, ms.bfloat16
@@ -258,8 +259,11 @@ def test_subfolder_use_safetensors_low_cpu_mem_usage(ckpts, tmp_path):
     ],
 )
 def test_files_read_ahead(ckpts, tmp_path, monkeypatch, layout, kwargs):
-    """The background reader predicts the files mindone resolves: with the
-    synchronous read disabled, the load still succeeds and is identical."""
+    """The background reader predicts the files mindone resolves: every file
+    the load asks for was given to the prefetcher (one whose read had not
+    started yet is read by the caller, which never waits behind reads it has
+    not asked for), at least one came from the read-ahead, and the model is
+    identical."""
     name = "UNet2DConditionModel"
     sources = {
         "single": ckpts.path(name, BF16), "sharded": ckpts.path(name, BF16, sharded=True),
@@ -273,16 +277,22 @@ def test_files_read_ahead(ckpts, tmp_path, monkeypatch, layout, kwargs):
     with ms_loadpatch.disabled():
         reference = D.UNet2DConditionModel.from_pretrained(path, **kwargs)
 
-    def only_read_ahead(ctx, file):
+    read_ahead = []
+
+    def only_predicted_files(ctx, file):
         prefetcher = ctx.cache.get("prefetcher")
-        taken = prefetcher.take(file) if prefetcher is not None else None
+        if prefetcher is None or not prefetcher.predicted(file):
+            raise AssertionError(f"{file} was not predicted by the read-ahead")
+        taken = prefetcher.take(file)
         if taken is None:
-            raise AssertionError(f"{file} was not read ahead")
+            return read_arrays(file)
+        read_ahead.append(file)
         return taken
 
-    monkeypatch.setattr(glue, "take_or_read", only_read_ahead)
+    monkeypatch.setattr(glue, "take_or_read", only_predicted_files)
     with ms_loadpatch.enabled():
         accelerated = D.UNet2DConditionModel.from_pretrained(path, **kwargs)
+    assert read_ahead, "no file came from the read-ahead"
     _assert_fast_path(name, ckpts.made[name])
     assert_same_model(reference, accelerated)
 

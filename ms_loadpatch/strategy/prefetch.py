@@ -95,6 +95,10 @@ class Prefetcher:
             finally:
                 pending.done.set()
 
+    def predicted(self, path) -> bool:
+        """Whether `path` is one of the files this prefetcher was given."""
+        return os.path.normpath(os.fspath(path)) in self._paths
+
     def take(self, path):
         """(arrays, metadata) of `path`, waiting for its read; None if `path`
         was not prefetched or its read has not started (the caller reads it
