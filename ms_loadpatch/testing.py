@@ -4,6 +4,7 @@ compare two snapshots, load both ways, and route CPU-missing kernels."""
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 
 import numpy as np
@@ -19,6 +20,14 @@ class TensorRecord:
     bits: np.ndarray  # raw bytes as unsigned ints: bit-exact, NaN-safe comparison
     requires_grad: bool | None
     param_name: str | None
+    # parameters only: whether copy.copy / deepcopy / Parameter.clone give its
+    # values (they rebuild from a kept lazy initializer if there is one), and
+    # whether it still holds that initializer (`init_mode`)
+    copy_has_values: bool | None = None
+    keeps_initializer: bool | None = None
+
+
+_PARAM_ONLY_FIELDS = ("copy_has_values", "keeps_initializer")
 
 
 def _bits(tensor) -> np.ndarray:
@@ -35,8 +44,11 @@ def snapshot(model) -> dict:
     owner_of = {}
     ties = {}
     for name, param in model.parameters_and_names(expand=True):
-        records[name] = TensorRecord("param", tuple(param.shape), str(param.dtype), _bits(param),
-                                     bool(param.requires_grad), param.name)
+        bits = _bits(param)
+        records[name] = TensorRecord("param", tuple(param.shape), str(param.dtype), bits,
+                                     bool(param.requires_grad), param.name,
+                                     bool(np.array_equal(_bits(copy.copy(param)), bits)),
+                                     getattr(param, "init_mode", None) is not None)
     for prefix, cell in model.cells_and_names():
         for attr, param in cell._params.items():
             if param is None:
@@ -61,7 +73,9 @@ def compare(expected: dict, actual: dict, skip_values=()) -> list[str]:
         problems.append(f"{name}: only in the second model")
     for name in sorted(set(exp) & set(act)):
         a, b = exp[name], act[name]
-        for field in ("kind", "shape", "dtype", "requires_grad", "param_name"):
+        for field in ("kind", "shape", "dtype", "requires_grad", "param_name", "copy_has_values", "keeps_initializer"):
+            if field in _PARAM_ONLY_FIELDS and None in (getattr(a, field), getattr(b, field)):
+                continue  # not recorded (a snapshot written before these fields)
             if getattr(a, field) != getattr(b, field):
                 problems.append(f"{name}: {field} {getattr(a, field)!r} != {getattr(b, field)!r}")
         if name in skip_values or a.shape != b.shape or a.dtype != b.dtype:

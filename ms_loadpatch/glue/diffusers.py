@@ -399,7 +399,7 @@ def _assign(ctx, index, state_dict, dtype, keep_in_fp32_modules) -> None:
             report.tensors_cast += 1
         if param.dtype != final:
             param.set_dtype(final)  # lazy: metadata only; otherwise a cast set_data then overwrites
-        param.set_data(value)
+        param.set_data(value)  # not assign.fill: mindone's diffusers load keeps the initializer (init_mode) too
         report.tensors_assigned += 1
 
 

@@ -37,6 +37,16 @@ def check_and_pair(index: dict, state_dict, model_name: str):
     return pairs
 
 
+def fill(param, value) -> None:
+    """param.set_data(value), leaving the parameter as Parameter.init_data
+    does: a lazy parameter keeps its initializer in `init_mode` after
+    set_data, and copy / deepcopy / Parameter.clone (ZeRO, EMA) rebuild a
+    parameter from a kept initializer instead of its values."""
+    param.set_data(value)
+    if getattr(param, "init_mode", None) is not None and not param.has_init:
+        param.init_mode = None
+
+
 def assign(pairs, loaded: dict, report) -> None:
     """Assign checked pairs; record id(param) -> tensor in `loaded`."""
     for kind, target, value in pairs:
@@ -44,7 +54,7 @@ def assign(pairs, loaded: dict, report) -> None:
             if value.dtype != target.dtype:
                 value = cast(value, target.dtype)
                 report.tensors_cast += 1
-            target.set_data(value)
+            fill(target, value)
             loaded[id(target)] = value
         else:  # buffers: few, and copied exactly as Cell.load_state_dict does
             target.assign_value(ms.Tensor(value.asnumpy(), dtype=target.dtype))

@@ -8,6 +8,8 @@ import threading
 
 from mindspore import Parameter
 
+from .assign import fill
+
 # The lazy window changes a class attribute of Parameter. Every construction
 # ms_loadpatch runs, lazy or not, holds this lock; re-entrant for nested models.
 CONSTRUCTION_LOCK = threading.RLock()
@@ -130,7 +132,7 @@ def initialize_unloaded(root, loaded: dict, initialize_for):
         for _, sub, _ in walk_cells(cell):
             for param in sub._params.values():
                 if param is not None and id(param) in loaded:
-                    param.set_data(loaded[id(param)])
+                    fill(param, loaded[id(param)])
     for param in root.get_parameters():
         if param.has_init:
             param.init_data()

@@ -33,7 +33,8 @@ def write_snapshot(snap: dict, path) -> None:
     for i, (name, record) in enumerate(snap["tensors"].items()):
         arrays[f"t{i}"] = record.bits
         tensors.append({"name": name, "kind": record.kind, "shape": list(record.shape), "dtype": record.dtype,
-                        "requires_grad": record.requires_grad, "param_name": record.param_name})
+                        "requires_grad": record.requires_grad, "param_name": record.param_name,
+                        "copy_has_values": record.copy_has_values, "keeps_initializer": record.keeps_initializer})
     meta = {"tensors": tensors, "ties": snap["ties"], "training": snap["training"]}
     arrays[_META] = np.frombuffer(json.dumps(meta).encode(), dtype=np.uint8)
     with open(path, "wb") as f:
@@ -46,7 +47,8 @@ def read_snapshot(path) -> dict:
         tensors = {}
         for i, t in enumerate(meta["tensors"]):
             tensors[t["name"]] = TensorRecord(t["kind"], tuple(t["shape"]), t["dtype"], data[f"t{i}"],
-                                              t["requires_grad"], t["param_name"])
+                                              t["requires_grad"], t["param_name"],
+                                              t.get("copy_has_values"), t.get("keeps_initializer"))
     return {"tensors": tensors, "ties": meta["ties"], "training": meta["training"]}
 
 
