@@ -42,7 +42,14 @@ def tiny_model(directory=None):
     from mindone.transformers import Qwen2ForCausalLM
 
     ms.set_seed(0)
+    partial = f"{directory}.partial-{os.getpid()}"
     with cpu_fallbacks():
         model = Qwen2ForCausalLM(Qwen2Config(**TINY_QWEN2))
-        model.save_pretrained(directory)
+        model.save_pretrained(partial)
+    try:
+        os.rename(partial, directory)  # whole or not at all: other processes may be waiting for it
+    except OSError:  # another process got there first
+        import shutil
+
+        shutil.rmtree(partial, ignore_errors=True)
     return directory

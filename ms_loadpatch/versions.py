@@ -290,6 +290,42 @@ def _probe_cell_to(ms) -> str | None:
     return None
 
 
+def _probe_fill(ms) -> str | None:
+    """None when strategy.assign.fill leaves a lazy parameter as mindone's
+    transformers load does (Parameter.init_data, then set_data): holding the
+    value, no initializer kept, and copy / deepcopy / clone giving the value."""
+    try:
+        import copy
+
+        import numpy as np
+        from mindspore.common.initializer import initializer
+        from mindspore.nn.utils import no_init_parameters
+
+        from .strategy.assign import fill
+
+        value = np.arange(6, dtype=np.float32).reshape(2, 3)
+
+        def lazy():
+            with no_init_parameters():
+                return ms.Parameter(initializer("normal", (2, 3), ms.float32), name="probe")
+
+        real = lazy().init_data()
+        real.set_data(ms.Tensor(value))
+        fast = lazy()
+        fill(fast, ms.Tensor(value))
+        for side, param in (("mindspore's path", real), ("the fast path", fast)):
+            if param.has_init or not np.array_equal(param.asnumpy(), value):
+                return f"a parameter filled by {side} does not hold the value"
+            for how, make in (("copy", copy.copy), ("deepcopy", copy.deepcopy), ("clone", lambda p: p.clone())):
+                if not np.array_equal(make(param).asnumpy(), value):
+                    return f"{how} of a parameter filled by {side} does not have its value"
+        if (real.init_mode is None) != (fast.init_mode is None):
+            return "the fast path keeps a different initializer state than Parameter.init_data"
+    except Exception as exc:  # an internal it relies on changed
+        return f"{type(exc).__name__}: {exc}"
+    return None
+
+
 def probe(ms) -> tuple[tuple[str, ...], tuple[tuple[str, str], ...], dict]:
     """(why `ms` cannot take the fast path at all, (library, why that
     library's cannot), optional features present); empty when it can."""
@@ -310,6 +346,10 @@ def probe(ms) -> tuple[tuple[str, ...], tuple[tuple[str, str], ...], dict]:
         if bf16 is not None:
             problems.append(bf16)
     library_problems = []
+    if not problems:
+        failed = _probe_fill(ms)
+        if failed is not None:
+            library_problems.append(("transformers", f"filling a lazy parameter: its probe failed ({failed})"))
     cell = getattr(getattr(ms, "nn", None), "Cell", None)
     features = {"cell_to": cell is not None and "to" in vars(cell)}
     for name in _MIXIN_METHODS:
@@ -334,7 +374,7 @@ def techniques() -> Techniques:
     problems, library_problems, features = probe(ms)
     result = Techniques(
         mindspore=str(getattr(ms, "__version__", installed_version("mindspore"))),
-        assign="Parameter.set_data",
+        assign="Parameter.set_data (transformers: then its lazy initializer dropped, as Parameter.init_data does)",
         cast="Tensor.set_dtype",
         construct="Parameter.init_param scoped to the building thread (no_init_parameters' flag)",
         to_tensor="Tensor.from_numpy (bf16 via np_dtype.bfloat16)",

@@ -120,8 +120,8 @@ def test_all_features_present_by_default(fresh_techniques):
     assert chosen.problems == () and chosen.refusal is None
     assert chosen.mindspore == ms.__version__
     assert (chosen.assign, chosen.cast, chosen.construct) == (
-        "Parameter.set_data", "Tensor.set_dtype",
-        "Parameter.init_param scoped to the building thread (no_init_parameters' flag)")
+        "Parameter.set_data (transformers: then its lazy initializer dropped, as Parameter.init_data does)",
+        "Tensor.set_dtype", "Parameter.init_param scoped to the building thread (no_init_parameters' flag)")
 
 
 def _drop_no_init(monkeypatch):
@@ -204,8 +204,17 @@ def _cell_to_probe_fails(monkeypatch):
     monkeypatch.setattr(ms.nn.Cell, "to", to, raising=False)
 
 
+def _fill_keeps_the_initializer(monkeypatch):
+    """The lazy initializer left in place after set_data: copies would rebuild from it."""
+    from ms_loadpatch.strategy import assign
+
+    monkeypatch.setattr(assign, "fill", lambda param, value: param.set_data(value))
+
+
 @pytest.mark.parametrize("simulate,expected", [
     (_cell_gets_half, "nn.Cell.half shadows mindone's ModuleUtilsMixin.half"),
+    (_fill_keeps_the_initializer, "filling a lazy parameter: its probe failed (copy of a parameter filled by the "
+                                  "fast path does not have its value)"),
     (_cell_to_probe_fails, "nn.Cell.to shadows mindone's ModuleUtilsMixin.to and its probe failed"),
 ])
 def test_mindspore_shadowing_a_mixin_method_skips_transformers_only(monkeypatch, fresh_techniques, simulate,

@@ -27,7 +27,10 @@ class LoadReport:
         self.tensors_cast = 0
         self.cells_reinitialised = 0
         self.shards = 0
-        self.read_workers = 1
+        self.read_workers = 1  # files read at once (HF_ENABLE_PARALLEL_LOADING)
+        self.read_threads = 1  # threads reading one large file, this rank's share of the node
+        self.local_ranks = 1  # ranks of a distributed job on this node (strategy/ranks.py)
+        self.rank = None
         self.technique = ""
         self.total = 0.0
 
@@ -46,10 +49,17 @@ class LoadReport:
         phases = ", ".join(f"{k} {v:.3f}s" for k, v in self.phases.items())
         return (
             f"{self.library} {self.model_class}: {self.total:.3f}s ({phases}); "
-            f"{self.tensors_read} tensors read from {self.shards} file(s) with {self.read_workers} worker(s), "
+            f"{self.tensors_read} tensors read from {self.shards} file(s) with {self.read_workers} worker(s) "
+            f"of up to {self.read_threads} thread(s){self._rank_text()}, "
             f"{self.tensors_assigned} assigned, {self.tensors_cast} cast, {self.cells_reinitialised} cells "
             f"initialised for missing weights; technique: {self.technique}"
         )
+
+    def _rank_text(self) -> str:
+        if self.local_ranks == 1 and self.rank is None:
+            return ""
+        rank = f"rank {self.rank}, " if self.rank is not None else ""
+        return f" ({rank}{self.local_ranks} rank(s) on this node)"
 
 
 _last_reports: list[LoadReport] = []

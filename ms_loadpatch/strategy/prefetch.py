@@ -14,7 +14,8 @@ import os
 import threading
 
 from ..activation import env_flag
-from .reader import ReadStopped, background_read_threads, join_or_leave, read_arrays
+from .ranks import node_share
+from .reader import ReadStopped, background_read_threads, join_or_leave, read_arrays, read_threads
 
 
 def parallel_workers() -> int:
@@ -165,7 +166,10 @@ def start_prefetch(ctx, files) -> Prefetcher | None:
     """Read `files` in background threads for the load `ctx` (closed with it);
     HF_ENABLE_PARALLEL_LOADING, read now, sets the thread count."""
     workers = parallel_workers()
+    share = node_share()
     ctx.report.read_workers = workers
+    ctx.report.read_threads = read_threads(share)
+    ctx.report.local_ranks, ctx.report.rank = share.local_ranks, share.rank
     if not files:
         return None
     prefetcher = Prefetcher(files, workers=workers)

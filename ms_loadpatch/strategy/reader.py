@@ -27,6 +27,8 @@ import time
 import numpy as np
 from safetensors import SafetensorError
 
+from .ranks import NodeShare, node_share
+
 # safetensors' own limit (MAX_HEADER_SIZE); a larger claim is corruption.
 MAX_HEADER_BYTES = 100_000_000
 # serde_json (safetensors' JSON parser) refuses deeper nesting.
@@ -369,13 +371,18 @@ PARALLEL_READ_MIN_BYTES = 64 << 20
 _ALIGN = 2 << 20  # chunk borders on huge-page boundaries
 
 
-def read_threads() -> int:
-    return min(8, 2 * (os.cpu_count() or 1))  # measured: past the core count still helps (faults wait on the host)
+def read_threads(share: NodeShare | None = None) -> int:
+    """Threads for one file's read: twice the cores (measured: past the core
+    count still helps, faults wait on the host), up to 8, divided among the
+    ranks of a job sharing the node."""
+    share = share or node_share()
+    return share.divide(min(8, 2 * share.cores))
 
 
-def background_read_threads() -> int:
+def background_read_threads(share: NodeShare | None = None) -> int:
     """Threads for a read that runs beside other work: one core left to it."""
-    return max(1, (os.cpu_count() or 1) - 1)
+    share = share or node_share()
+    return share.divide(max(1, share.cores - 1))
 
 
 # One read(2) at most this long: a stop request is seen between two.

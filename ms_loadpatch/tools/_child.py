@@ -123,6 +123,18 @@ def prime_memory(nbytes: int) -> None:
     _reset_peak_rss()  # the priming is not part of any load's peak
 
 
+def _wait_for_parties(directory: str, parties: int, timeout: float = 600.0) -> None:
+    """A start line for processes loading at once: each leaves a file in
+    `directory`, then waits until `parties` files are there."""
+    with open(os.path.join(directory, f"ready-{os.getpid()}"), "w"):
+        pass
+    deadline = time.monotonic() + timeout
+    while len([n for n in os.listdir(directory) if n.startswith("ready-")]) < parties:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{parties} processes were not ready within {timeout} s")
+        time.sleep(0.01)
+
+
 def _task_load(task: dict) -> dict:
     spec = LoadSpec(**task["spec"])
     refusal = None
@@ -145,6 +157,8 @@ def _task_load(task: dict) -> dict:
     context._last_reports.clear()
     with _fallbacks(on_cpu):
         prime_memory(task.get("prime_bytes", 0))
+        if task.get("barrier"):
+            _wait_for_parties(**task["barrier"])
         _reset_peak_rss()  # peak RSS from here on: the load's, over the RSS it starts from
         rss_before = _max_rss_bytes()
         start = time.perf_counter()

@@ -228,9 +228,10 @@ def child_env(mode: str) -> dict:
     return env
 
 
-def run_child(task: dict, mode: str, timeout: float | None = None) -> dict:
+def run_child(task: dict, mode: str, timeout: float | None = None, env_extra: dict | None = None) -> dict:
     """Run one task in a fresh interpreter; return the JSON it reports.
-    Raises ChildError (UsageError for a bad class name) when it fails."""
+    Raises ChildError (UsageError for a bad class name) when it fails.
+    `env_extra`: more environment (a rank's, for the multi-rank benchmark)."""
     with tempfile.TemporaryDirectory(prefix="ms-loadpatch-") as tmp:
         task = dict(task, result=os.path.join(tmp, "result.json"))
         task_file = os.path.join(tmp, "task.json")
@@ -239,7 +240,7 @@ def run_child(task: dict, mode: str, timeout: float | None = None) -> dict:
         # Appended, so an installed ms_loadpatch wins; makes a source checkout work too.
         bootstrap = f"import sys; sys.path.append({_PACKAGE_PARENT!r}); from ms_loadpatch.tools._child import main; main()"
         try:
-            proc = subprocess.run([sys.executable, "-c", bootstrap, task_file], env=child_env(mode),
+            proc = subprocess.run([sys.executable, "-c", bootstrap, task_file], env={**child_env(mode), **(env_extra or {})},
                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, timeout=timeout)
         except subprocess.TimeoutExpired as exc:
             raise ChildError(f"{task['task']} ({mode}) did not finish within {timeout} s") from exc
@@ -267,15 +268,19 @@ def prime_bytes(spec: LoadSpec, memory: str) -> int:
     return 2 * spec.checkpoint_bytes() + (256 << 20) if memory == "primed" else 0
 
 
-def load_task(spec: LoadSpec, snapshot: str | None = None, prime: int = 0) -> dict:
-    return {"task": "load", "spec": dataclasses.asdict(spec), "snapshot": snapshot, "prime_bytes": prime}
+def load_task(spec: LoadSpec, snapshot: str | None = None, prime: int = 0, barrier: dict | None = None) -> dict:
+    """`barrier` ({"directory", "parties"}): the load starts when that many
+    processes are ready (ranks of a job loading at the same moment)."""
+    return {"task": "load", "spec": dataclasses.asdict(spec), "snapshot": snapshot, "prime_bytes": prime,
+            "barrier": barrier}
 
 
-def measure_load(spec: LoadSpec, mode: str, snapshot: str | None = None, timeout=None, prime: int = 0) -> dict:
+def measure_load(spec: LoadSpec, mode: str, snapshot: str | None = None, timeout=None, prime: int = 0,
+                 barrier: dict | None = None, env_extra: dict | None = None) -> dict:
     """One from_pretrained in a fresh process ("patched" or "unpatched"),
     timed up to the last weight touched. Keys: seconds, peak_rss_bytes,
     rss_before_bytes, report (patched: LoadReport.as_dict()), device, ..."""
-    return run_child(load_task(spec, snapshot, prime), mode=mode, timeout=timeout)
+    return run_child(load_task(spec, snapshot, prime, barrier), mode=mode, timeout=timeout, env_extra=env_extra)
 
 
 def measure_floors(spec: LoadSpec, timeout=None, prime: int = 0) -> dict:
@@ -454,7 +459,8 @@ def format_table(results: dict, title: str | None = None) -> str:
         other = pat["median_run"]["seconds"] - sum(phases.values())
         lines.append(f"    {'other':20}{_s(max(other, 0.0)):>10}   mindone's own bookkeeping, touching the weights")
         lines.append(f"  tensors: {report.get('tensors_read')} read from {report.get('shards')} file(s) with "
-                     f"{report.get('read_workers')} worker(s), {report.get('tensors_assigned')} assigned, "
+                     f"{report.get('read_workers')} worker(s) of up to {report.get('read_threads')} thread(s), "
+                     f"{report.get('tensors_assigned')} assigned, "
                      f"{report.get('tensors_cast')} cast, {report.get('cells_reinitialised')} cells initialised "
                      "for missing weights")
         lines.append(f"  technique: {report.get('technique')}")

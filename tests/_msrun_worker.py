@@ -1,0 +1,190 @@
+"""One rank of an msrun job started by tests/test_multirank.py.
+
+Loads a checkpoint with mindone's from_pretrained (the plugin on or off is
+the launcher's business: MS_LOADPATCH, `ms-loadpatch run`, or `--import`),
+then optionally trains a few steps under mindone's ZeRO at the given stages.
+Writes what it saw to OUT/rank<R>.json and the parameters to
+OUT/rank<R>-<what>.npz; errors go to OUT/rank<R>.error and exit 1.
+
+    msrun --worker_num=2 --local_worker_num=2 ... _msrun_worker.py --out DIR --model PATH [--zero 2 3]
+
+`{rank}` in --model is replaced by the rank (a per-rank checkpoint).
+"""
+
+import argparse
+import json
+import os
+import sys
+import threading
+import traceback
+
+
+def _peak_rss_mb() -> float:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+class _ReduceScatterOnCpu:
+    """mindspore's CPU backend has no ReduceScatter kernel (ZeRO stages 2-3
+    use it for gradients): AllReduce, then this rank's block along dim 0,
+    the same sums. Both jobs compared use it."""
+
+    def __init__(self, op="sum", group=None):
+        from mindspore import ops
+        from mindspore.communication import GlobalComm, get_group_size, get_rank
+
+        group = group or GlobalComm.WORLD_COMM_GROUP
+        self.allreduce = ops.AllReduce(op=op, group=group)
+        self.size, self.rank = get_group_size(group), get_rank(group)
+
+    def __call__(self, x):
+        block = x.shape[0] // self.size
+        return self.allreduce(x)[self.rank * block:(self.rank + 1) * block]
+
+
+def _train(model_dir, stage, steps, rank, group_size):
+    import mindspore as ms
+    import numpy as np
+    from mindspore import nn
+    from mindspore.communication import GlobalComm
+
+    from mindone.trainers.zero import prepare_train_network
+    from mindone.transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir)
+    model.set_train(True)
+    full_shapes = {name: tuple(p.shape) for name, p in model.parameters_and_names()}
+
+    class WithLoss(nn.Cell):
+        def __init__(self, network):
+            super().__init__(auto_prefix=False)
+            self.network = network
+
+        def construct(self, input_ids):
+            return self.network(input_ids=input_ids, labels=input_ids).loss
+
+    network = WithLoss(model)
+    optimizer = nn.SGD(network.trainable_params(), learning_rate=0.1)
+    train_step = prepare_train_network(network, optimizer, zero_stage=stage,
+                                       optimizer_parallel_group=GlobalComm.WORLD_COMM_GROUP)
+    rng = np.random.default_rng(100 + rank)  # each rank its own fixed batch, as data parallelism has
+    losses = []
+    for _ in range(steps):
+        tokens = ms.Tensor(rng.integers(0, model.config.vocab_size, (2, 8)), ms.int32)
+        loss = train_step(tokens)
+        loss = loss[0] if isinstance(loss, tuple) else loss
+        losses.append(float(loss.asnumpy()))
+    return losses, _parameters(model, group_size, full_shapes)
+
+
+def _parameters(model, group_size, full_shapes):
+    """Every parameter whole, as float32 numpy (ZeRO-3 leaves a slice along
+    dim 0 on each rank; AllGather puts it back together in rank order)."""
+    import mindspore as ms
+    from mindspore import ops
+
+    allgather = ops.AllGather() if group_size > 1 else None
+    out = {}
+    for name, param in model.parameters_and_names():
+        value = ms.Tensor(param.asnumpy()).astype(ms.float32)
+        if tuple(param.shape) != full_shapes[name]:
+            value = allgather(value)
+        out[name] = value.asnumpy()
+    return out
+
+
+def _write_failure(out, rank, exc, before):
+    """What the failed load left: its error, the process state check of
+    tests/test_bad_input.py, and reader threads still alive."""
+    from test_bad_input import assert_state_restored
+
+    try:
+        assert_state_restored(before)
+        restored = "yes"
+    except AssertionError as problem:
+        restored = f"no: {problem}"
+    threads = [t.name for t in threading.enumerate() if t.name.startswith("ms_loadpatch") and t.is_alive()]
+    with open(os.path.join(out, f"rank{rank}-failure.json"), "w") as f:
+        json.dump({"error_type": type(exc).__name__, "error": str(exc), "state_restored": restored,
+                   "threads_left": threads}, f)
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--import", dest="import_plugin", action="store_true", help="import ms_loadpatch here")
+    parser.add_argument("--zero", type=int, nargs="*", default=[])
+    parser.add_argument("--steps", type=int, default=2)
+    args = parser.parse_args()
+
+    if args.import_plugin:
+        import ms_loadpatch  # noqa: F401 - the activation under test
+
+    import mindspore as ms
+    import numpy as np
+    from mindspore.communication import get_group_size, get_rank, init
+
+    ms.set_context(mode=ms.PYNATIVE_MODE)
+    init()
+    rank, group_size = get_rank(), get_group_size()
+    os.makedirs(args.out, exist_ok=True)
+    try:
+        plugin_loaded_before = "ms_loadpatch" in sys.modules
+        from ms_loadpatch.testing import cpu_kernel_fallbacks
+
+        if not plugin_loaded_before:
+            import ms_loadpatch
+
+            ms_loadpatch.disable()  # imported for the CPU stand-ins only: this job loads unpatched
+        import ms_loadpatch
+        from test_bad_input import process_state  # this file's folder is on sys.path
+
+        from mindone.transformers import AutoModelForCausalLM
+
+        model_dir = args.model.replace("{rank}", str(rank))
+        result = {"rank": rank, "group_size": group_size, "pid": os.getpid(),
+                  "env": {k: os.environ.get(k) for k in ("MS_WORKER_NUM", "MS_ROLE", "RANK_ID", "DEVICE_ID")}}
+        with cpu_kernel_fallbacks():
+            before = process_state()
+            try:
+                model = AutoModelForCausalLM.from_pretrained(model_dir)
+            except Exception as exc:
+                _write_failure(args.out, rank, exc, before)
+                raise
+            report = ms_loadpatch.last_report() if ms_loadpatch.is_enabled() else None
+            result["enabled"] = ms_loadpatch.is_enabled()
+            result["report"] = report.as_dict() if report else None
+            result["peak_rss_mb"] = _peak_rss_mb()
+            result["threads_after_load"] = [t.name for t in threading.enumerate()
+                                            if t.name.startswith("ms_loadpatch") and t.is_alive()]
+            np.savez(os.path.join(args.out, f"rank{rank}-loaded.npz"),
+                     **{name: p.float().asnumpy() for name, p in model.parameters_and_names()})
+            del model
+            if args.zero:
+                ms.set_auto_parallel_context(parallel_mode=ms.ParallelMode.DATA_PARALLEL, gradients_mean=True)
+                if ms.get_context("device_target") == "CPU":
+                    ms.ops.ReduceScatter = _ReduceScatterOnCpu
+                os.chdir(args.out)  # ZeroHelper writes its params_info folder here
+                result["zero"] = {}
+                for stage in args.zero:
+                    try:
+                        losses, params = _train(model_dir, stage, args.steps, rank, group_size)
+                    except RuntimeError as exc:  # what this backend cannot run, recorded for comparison
+                        result["zero"][str(stage)] = {"error": str(exc).strip().splitlines()[0]}
+                        continue
+                    result["zero"][str(stage)] = {"losses": losses}
+                    np.savez(os.path.join(args.out, f"rank{rank}-zero{stage}.npz"), **params)
+        with open(os.path.join(args.out, f"rank{rank}.json"), "w") as f:
+            json.dump(result, f)
+    except BaseException:
+        with open(os.path.join(args.out, f"rank{rank}.error"), "w") as f:
+            f.write(traceback.format_exc())
+        raise
+
+
+if __name__ == "__main__":
+    main()
