@@ -25,8 +25,7 @@ def main(argv=None):
     args = parser.parse_args(argv)
 
     import mindspore as ms
-    from mindspore import nn
-    from mindspore.communication import GlobalComm, get_group_size, get_rank, init
+    from mindspore.communication import get_group_size, get_rank, init
 
     ms.set_context(mode=ms.PYNATIVE_MODE)
     init()
@@ -36,7 +35,6 @@ def main(argv=None):
     zero_stage = args.zero_stage if args.zero_stage is not None else (0 if on_cpu else 2)
 
     from _tiny_model import cpu_fallbacks, tiny_model
-    from mindone.trainers.zero import prepare_train_network
     from mindone.transformers import AutoModelForCausalLM
 
     path = args.model or _tiny_model_on_every_rank(tiny_model, rank)
@@ -51,25 +49,41 @@ def main(argv=None):
         else:
             print(f"rank {rank}: ms_loadpatch off")
 
-        class WithLoss(nn.Cell):
-            def __init__(self, network):
-                super().__init__(auto_prefix=False)
-                self.network = network
-
-            def construct(self, input_ids):
-                return self.network(input_ids=input_ids, labels=input_ids).loss
-
-        network = WithLoss(model)
-        optimizer = nn.SGD(network.trainable_params(), learning_rate=0.1)
-        train_step = prepare_train_network(network, optimizer, zero_stage=zero_stage,
-                                           optimizer_parallel_group=GlobalComm.WORLD_COMM_GROUP)
-        model.set_train(True)
+        train_step = zero_train_step(model, zero_stage)
         rng = np.random.default_rng(rank)  # each rank its own batch
         for step in range(args.steps):
             tokens = ms.Tensor(rng.integers(0, model.config.vocab_size, (2, 8)), ms.int32)
-            loss = train_step(tokens)
-            loss = loss[0] if isinstance(loss, tuple) else loss
-            print(f"rank {rank} step {step}: loss {float(loss.asnumpy()):.4f} (ZeRO stage {zero_stage})")
+            print(f"rank {rank} step {step}: loss {train_step(tokens):.4f} (ZeRO stage {zero_stage})")
+
+
+def zero_train_step(model, zero_stage):
+    """One training step of a causal LM as a function of a token batch (its
+    loss as a float): SGD through mindone's ZeRO helper at `zero_stage`."""
+    from mindspore import nn
+    from mindspore.communication import GlobalComm
+
+    from mindone.trainers.zero import prepare_train_network
+
+    class WithLoss(nn.Cell):
+        def __init__(self, network):
+            super().__init__(auto_prefix=False)
+            self.network = network
+
+        def construct(self, input_ids):
+            return self.network(input_ids=input_ids, labels=input_ids).loss
+
+    network = WithLoss(model)
+    optimizer = nn.SGD(network.trainable_params(), learning_rate=0.1)
+    wrapped = prepare_train_network(network, optimizer, zero_stage=zero_stage,
+                                    optimizer_parallel_group=GlobalComm.WORLD_COMM_GROUP)
+    model.set_train(True)
+
+    def step(tokens):
+        loss = wrapped(tokens)
+        loss = loss[0] if isinstance(loss, tuple) else loss
+        return float(loss.asnumpy())
+
+    return step
 
 
 def _tiny_model_on_every_rank(tiny_model, rank):

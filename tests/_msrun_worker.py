@@ -18,6 +18,8 @@ import sys
 import threading
 import traceback
 
+sys.path.append(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples"))
+
 
 def _peak_rss_mb() -> float:
     with open("/proc/self/status") as f:
@@ -48,35 +50,17 @@ class _ReduceScatterOnCpu:
 def _train(model_dir, stage, steps, rank, group_size):
     import mindspore as ms
     import numpy as np
-    from mindspore import nn
-    from mindspore.communication import GlobalComm
 
-    from mindone.trainers.zero import prepare_train_network
     from mindone.transformers import AutoModelForCausalLM
+    from train_distributed import zero_train_step  # examples/: the example's own training step
 
     model = AutoModelForCausalLM.from_pretrained(model_dir)
-    model.set_train(True)
     full_shapes = {name: tuple(p.shape) for name, p in model.parameters_and_names()}
-
-    class WithLoss(nn.Cell):
-        def __init__(self, network):
-            super().__init__(auto_prefix=False)
-            self.network = network
-
-        def construct(self, input_ids):
-            return self.network(input_ids=input_ids, labels=input_ids).loss
-
-    network = WithLoss(model)
-    optimizer = nn.SGD(network.trainable_params(), learning_rate=0.1)
-    train_step = prepare_train_network(network, optimizer, zero_stage=stage,
-                                       optimizer_parallel_group=GlobalComm.WORLD_COMM_GROUP)
+    train_step = zero_train_step(model, stage)
     rng = np.random.default_rng(100 + rank)  # each rank its own fixed batch, as data parallelism has
     losses = []
     for _ in range(steps):
-        tokens = ms.Tensor(rng.integers(0, model.config.vocab_size, (2, 8)), ms.int32)
-        loss = train_step(tokens)
-        loss = loss[0] if isinstance(loss, tuple) else loss
-        losses.append(float(loss.asnumpy()))
+        losses.append(train_step(ms.Tensor(rng.integers(0, model.config.vocab_size, (2, 8)), ms.int32)))
     return losses, _parameters(model, group_size, full_shapes)
 
 

@@ -311,6 +311,7 @@ def test_installed_mindspore_gets_the_fast_path(fresh_techniques):
     assert gate.versions["mindspore"] == ms.__version__
     chosen = versions.techniques()
     assert chosen.problems == (), chosen.problems
+    assert chosen.library_problems == (), chosen.library_problems  # every probe (cell_to, fill) passes here
     # the behaviour the strategy relies on, by value: set_data on a lazy
     # parameter really loads it (other ways report success and stay lazy)
     values = np.arange(6, dtype=np.float32).reshape(2, 3) / 7
