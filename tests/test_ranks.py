@@ -16,6 +16,7 @@ LAUNCHER_VARS = ("MS_LOADPATCH_LOCAL_RANKS", "MS_ROLE", "MS_WORKER_NUM", "LOCAL_
 
 @pytest.fixture
 def clean_env(monkeypatch):
+    monkeypatch.setattr(ranks, "_warned", set())
     for name in LAUNCHER_VARS:
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setattr(ranks, "available_cores", lambda: 8)
@@ -66,6 +67,10 @@ def test_bad_explicit_count_is_ignored_with_a_warning(clean_env, caplog, value):
         share = ranks.node_share()
     assert (share.local_ranks, share.source) == (2, "LOCAL_WORLD_SIZE")
     assert "MS_LOADPATCH_LOCAL_RANKS" in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="ms_loadpatch"):
+        ranks.node_share()
+    assert "MS_LOADPATCH_LOCAL_RANKS" not in caplog.text, "warned again at the next load"
 
 
 @pytest.mark.parametrize("flag", [["--local_worker_num=3"], ["--local_worker_num", "3"]])

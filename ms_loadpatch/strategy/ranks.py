@@ -21,6 +21,7 @@ LOCAL_RANKS_ENV_VAR = "MS_LOADPATCH_LOCAL_RANKS"
 # Launchers that say how many of the job's processes run on this node.
 _LOCAL_SIZE_VARS = ("LOCAL_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS")
 _RANK_VARS = ("RANK_ID", "OMPI_COMM_WORLD_RANK", "RANK")
+_warned: set[tuple[str, str]] = set()
 
 
 @dataclass(frozen=True)
@@ -47,7 +48,9 @@ def _positive_int(name: str) -> int | None:
     except ValueError:
         value = 0
     if value < 1:
-        logger.warning("ms_loadpatch: ignoring %s=%r (not a positive integer)", name, text)
+        if (name, text) not in _warned:  # read at every load and file: say it once
+            _warned.add((name, text))
+            logger.warning("ms_loadpatch: ignoring %s=%r (not a positive integer)", name, text)
         return None
     return value
 
