@@ -21,14 +21,6 @@ import traceback
 sys.path.append(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples"))
 
 
-def _peak_rss_mb() -> float:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) / 1024
-    return float("nan")
-
-
 class _ReduceScatterOnCpu:
     """mindspore's CPU backend has no ReduceScatter kernel (ZeRO stages 2-3
     use it for gradients): AllReduce, then this rank's block along dim 0,
@@ -130,8 +122,7 @@ def main():
         from mindone.transformers import AutoModelForCausalLM
 
         model_dir = args.model.replace("{rank}", str(rank))
-        result = {"rank": rank, "group_size": group_size, "pid": os.getpid(),
-                  "env": {k: os.environ.get(k) for k in ("MS_WORKER_NUM", "MS_ROLE", "RANK_ID", "DEVICE_ID")}}
+        result = {"rank": rank}
         with cpu_kernel_fallbacks():
             before = process_state()
             try:
@@ -142,7 +133,6 @@ def main():
             report = ms_loadpatch.last_report() if ms_loadpatch.is_enabled() else None
             result["enabled"] = ms_loadpatch.is_enabled()
             result["report"] = report.as_dict() if report else None
-            result["peak_rss_mb"] = _peak_rss_mb()
             result["threads_after_load"] = [t.name for t in threading.enumerate()
                                             if t.name.startswith("ms_loadpatch") and t.is_alive()]
             np.savez(os.path.join(args.out, f"rank{rank}-loaded.npz"),

@@ -126,10 +126,5 @@ def node_share() -> NodeShare:
     return NodeShare(local_ranks=local_ranks, rank=_rank(), cores=cores, source=source)
 
 
-def describe(share: NodeShare) -> str:
-    rank = f"rank {share.rank}, " if share.rank is not None else ""
-    return f"{rank}{share.local_ranks} rank(s) on this node ({share.source}), {share.cores} core(s)"
-
-
-__all__ = ["LOCAL_RANKS_ENV_VAR", "NodeShare", "available_cores", "describe", "node_share"]
+__all__ = ["LOCAL_RANKS_ENV_VAR", "NodeShare", "available_cores", "node_share"]
 
