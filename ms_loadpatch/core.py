@@ -200,7 +200,15 @@ def _technique_rows() -> list[dict]:
     process), or nothing before mindspore is imported: probing imports it."""
     if "mindspore" not in sys.modules:
         return []
-    return versions.techniques().rows()
+    from .strategy import fastbuild
+
+    rows = versions.techniques().rows()
+    construction_ok = next(r["state"] for r in rows if r["name"] == "lazy-construction") == "active"
+    for row in fastbuild.technique_status() if construction_ok else ():
+        rows.append({"name": row["name"], "libraries": list(versions.LIBRARIES),
+                     "description": f"construction: {row['description']}", "state": row["state"],
+                     "reason": row["reason"]})
+    return rows
 
 
 def _library_verdict(library: str, enabled: bool, gate: versions.GateResult, targets: list) -> dict:

@@ -86,6 +86,9 @@ def assert_state_restored(before: dict) -> None:
     assert _lock_is_free(), "construction lock still held"
     assert context.current() is None, "a LoadContext is still current"
     assert after["env"] == before["env"]
+    from ms_loadpatch.strategy import fastbuild
+
+    assert fastbuild.leftovers() == []  # fast construction: nn.Cell methods, class __init__s, gc, counts
 
 
 def raised(call):

@@ -40,6 +40,7 @@ from . import file_named, overridden_method
 from ..strategy import context
 from ..strategy.assign import cast_parameters
 from ..strategy.construct import CONSTRUCTION_LOCK, lazy_construction
+from ..strategy.fastbuild import fast_construction
 from ..strategy.prefetch import local_checkpoint_files, start_prefetch, take_or_read
 from ..strategy.reader import CheckpointError, read_arrays
 from ..strategy.tensors import cast, to_tensor
@@ -119,7 +120,8 @@ def _accelerated_from_pretrained(wrapped, instance, args, kwargs):
 
 
 def from_config(wrapped, instance, args, kwargs):
-    with CONSTRUCTION_LOCK:  # never inside another thread's lazy-construction window
+    # never inside another thread's lazy-construction window; cells built the fast way (same objects)
+    with CONSTRUCTION_LOCK, fast_construction():
         return wrapped(*args, **kwargs)
 
 

@@ -24,6 +24,7 @@ from . import file_named, naming_the_file, overridden_method
 from ..strategy import context
 from ..strategy.assign import assign, cast_parameters, cell_to_keeping_lazy, check_and_pair
 from ..strategy.construct import CONSTRUCTION_LOCK, initialize_unloaded, lazy_construction, state_index
+from ..strategy.fastbuild import fast_construction
 from ..strategy.prefetch import local_checkpoint_files, start_prefetch, take_or_read
 from ..strategy.reader import CheckpointError, named_safetensors_error
 from ..strategy.tensors import to_tensor
@@ -114,7 +115,8 @@ def _name_the_file(exc, wrapped):
 
 
 def from_config(wrapped, instance, args, kwargs):
-    with CONSTRUCTION_LOCK:  # never inside another thread's lazy-construction window
+    # never inside another thread's lazy-construction window; cells built the fast way (same objects)
+    with CONSTRUCTION_LOCK, fast_construction():
         return wrapped(*args, **kwargs)
 
 

@@ -9,6 +9,7 @@ import threading
 from mindspore import Parameter
 
 from .assign import fill
+from .fastbuild import fast_construction
 
 # The lazy window changes a class attribute of Parameter. Every construction
 # ms_loadpatch runs, lazy or not, holds this lock; re-entrant for nested models.
@@ -61,17 +62,19 @@ def _thread_scoped_works() -> bool:
 
 
 @contextlib.contextmanager
-def lazy_construction():
-    """Parameters built from initializers in this thread stay lazy (no memory, no random fill)."""
+def lazy_construction(fast: bool = True):
+    """Parameters built from initializers in this thread stay lazy (no memory,
+    no random fill); with `fast`, cells are built through fastbuild's probed
+    techniques too (same objects, less Python work)."""
     with CONSTRUCTION_LOCK:
         if _thread_scoped_works():
-            with _lazy_in_this_thread():
-                yield
+            lazy = _lazy_in_this_thread()
         else:
             from mindspore.nn.utils import no_init_parameters
 
-            with no_init_parameters():
-                yield
+            lazy = no_init_parameters()
+        with lazy, (fast_construction() if fast else contextlib.nullcontext()):
+            yield
 
 
 def walk_cells(root, prefix=""):

@@ -447,7 +447,7 @@ def format_table(results: dict, title: str | None = None) -> str:
     if phases:
         lines.append("  patched load, by phase (median run):")
         floor_of = {
-            "construct": ("construct under no_init_parameters, no init", floors.get("construct_seconds")),
+            "construct": ("construct (mindspore no_init_parameters)", floors.get("construct_seconds")),
             "read": ("read every checkpoint byte", floors.get("read_seconds")),
             "assign": ("one cast pass", floors.get("cast_seconds")),
         }
@@ -455,6 +455,8 @@ def format_table(results: dict, title: str | None = None) -> str:
             label = "cast/assign" if name == "assign" else name
             floor_label, floor_value = floor_of.get(name, (None, None))
             note = f"   floor: {floor_label} {_s(floor_value)}" if floor_value is not None else ""
+            if name == "construct" and floor_value:
+                note += f" (patched = {seconds / floor_value:.2f}x of it)"
             lines.append(f"    {label:20}{_s(seconds):>10}{note}")
         other = pat["median_run"]["seconds"] - sum(phases.values())
         lines.append(f"    {'other':20}{_s(max(other, 0.0)):>10}   mindone's own bookkeeping, touching the weights")

@@ -1,0 +1,127 @@
+"""Benchmark: building a model, mindspore's no_init_parameters (the floor)
+against ms_loadpatch's construction window, with every fast-construction
+technique and with each one switched off (its contribution).
+
+Each measurement is a fresh process (imports first, then the clock runs
+around the model's constructor only: `cls(config)` with mindone's init pass
+off, as bench's construct floor does); median over --repeats.
+
+    python benchmarks/bench_construct.py --repeats 3
+    python benchmarks/bench_construct.py --models moe --repeats 1
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(HERE))
+sys.path.insert(0, HERE)
+
+from bench_transformers import SIZES  # noqa: E402
+
+MODELS = {
+    "moe": ("MixtralForCausalLM", SIZES["full"]["moe"]),
+    "qwen2": ("Qwen2ForCausalLM", SIZES["full"]["qwen2"]),
+}
+
+_CHILD = r"""
+import gc, json, os, sys, time
+variant, class_name, config = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
+import mindone.transformers as transformers
+import mindone.transformers.modeling_utils as modeling_utils
+from mindspore.nn.utils import no_init_parameters
+import ms_loadpatch
+from ms_loadpatch.strategy import fastbuild
+from ms_loadpatch.strategy.construct import lazy_construction
+from ms_loadpatch.testing import cpu_kernel_fallbacks
+
+cls = getattr(transformers, class_name)
+config = cls.config_class(**config)
+modeling_utils._init_weights = False  # the init pass is not construction
+if variant != "floor":
+    fastbuild.active_techniques()  # probes run once per process, before the clock
+gc.collect()
+with cpu_kernel_fallbacks():  # this backend lacks some kernels mindone's constructors call
+    start = time.perf_counter()
+    if variant == "floor":
+        with no_init_parameters():
+            model = cls(config)
+    else:
+        with lazy_construction():
+            model = cls(config)
+    seconds = time.perf_counter() - start
+cells = sum(1 for _ in model.cells_and_names())
+params = len(model.parameters_dict())
+active = [t.name for t in fastbuild.active_techniques()]
+print("RESULT " + json.dumps({"seconds": seconds, "cells": cells, "parameters": params, "active": active}))
+"""
+
+
+def _variants():
+    from ms_loadpatch.strategy.fastbuild import TECHNIQUES
+
+    yield "floor", "construct (mindspore no_init_parameters)", None
+    yield "patched", "patched construct (all techniques)", ""
+    yield "none", "patched construct, every technique off", "all"
+    for technique in TECHNIQUES:
+        yield f"no-{technique.name}", f"patched construct without {technique.name}", technique.name
+
+
+def run_once(variant, off, class_name, config) -> dict:
+    env = dict(os.environ)
+    env.pop("MS_LOADPATCH", None)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [os.path.dirname(HERE), env.get("PYTHONPATH")]))
+    if off is not None:
+        env["MS_LOADPATCH_TECHNIQUES_OFF"] = off
+    else:
+        env.pop("MS_LOADPATCH_TECHNIQUES_OFF", None)
+    out = subprocess.run([sys.executable, "-c", _CHILD, "floor" if off is None else "patched", class_name,
+                          json.dumps(config)], env=env, capture_output=True, text=True, timeout=900)
+    for line in out.stdout.splitlines():
+        if line.startswith("RESULT "):
+            return json.loads(line[len("RESULT "):])
+    raise RuntimeError(f"{variant}: the child failed (exit {out.returncode}):\n{out.stderr[-3000:]}")
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--models", default=",".join(MODELS), help=f"comma-separated subset of {', '.join(MODELS)}")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--only", help="comma-separated variants (floor, patched, none, no-<technique>)")
+    parser.add_argument("--json", metavar="FILE")
+    args = parser.parse_args(argv)
+    only = set(args.only.split(",")) if args.only else None
+    results = {}
+    for model in args.models.split(","):
+        class_name, config = MODELS[model]
+        rows = []
+        for variant, label, off in _variants():
+            if only and variant not in only:
+                continue
+            runs = [run_once(variant, off, class_name, config) for _ in range(args.repeats)]
+            seconds = [r["seconds"] for r in runs]
+            rows.append({"variant": variant, "label": label, "runs": seconds,
+                         "median_seconds": statistics.median(seconds), "cells": runs[0]["cells"],
+                         "parameters": runs[0]["parameters"], "active": runs[0]["active"]})
+            print(f"{model:6} {label:58} {statistics.median(seconds):8.3f} s   runs "
+                  + "/".join(f"{s:.3f}" for s in seconds), flush=True)
+        results[model] = rows
+        floor = next((r for r in rows if r["variant"] == "floor"), None)
+        if floor:
+            print(f"{model}: {rows[0]['cells']} cells, {rows[0]['parameters']} parameters")
+            for r in rows:
+                print(f"  {r['label']:58} {r['median_seconds']:8.3f} s  {r['median_seconds'] / floor['median_seconds']:5.2f}x floor")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

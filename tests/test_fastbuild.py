@@ -1,0 +1,513 @@
+"""Fast construction (ms_loadpatch/strategy/fastbuild.py): models built with
+the techniques are the same objects as without them.
+
+- probes: every technique passes on this mindspore; a broken fast path is
+  caught by its probe; a failed probe skips the technique and the load is
+  still identical; MS_LOADPATCH_TECHNIQUES_OFF switches techniques off;
+- the cell tree of a load with the techniques equals the one without them
+  (`fastbuild.model_state`: every cell's class, `__dict__` keys in order and
+  values, parameter metadata and initializers, primitives; `_create_time`
+  is the documented per-instance value), for lazily built and for loaded
+  models, transformers and diffusers;
+- against an unpatched load: parameters bit-identical, forward outputs, one
+  training step (value_and_grad + optimizer step: gradients and updated
+  weights bit for bit), save_pretrained files byte for byte;
+- from_config / _from_config with the techniques (seeded random init);
+- a model under mindspore.jit (graph mode): forward and gradients.
+Faults and threads: tests/test_faults_concurrency.py.
+"""
+
+import contextlib
+import os
+
+import mindspore as ms
+import numpy as np
+import pytest
+import transformers as hf
+from mindspore import nn
+
+import mindone.diffusers as md
+import mindone.transformers as mt
+import ms_loadpatch
+from ms_loadpatch.strategy import context, fastbuild
+from ms_loadpatch.strategy.construct import CONSTRUCTION_LOCK, lazy_construction
+from ms_loadpatch.testing import assert_same_model, cpu_kernel_fallbacks, load_both
+
+pytestmark = pytest.mark.usefixtures("cpu_kernels", "plugin_enabled")
+
+NAMES = [t.name for t in fastbuild.TECHNIQUES]
+
+TF_ARCHS = {
+    "qwen2": (mt.Qwen2ForCausalLM, lambda: hf.Qwen2Config(
+        vocab_size=128, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        intermediate_size=64, tie_word_embeddings=True)),
+    "mixtral": (mt.MixtralForCausalLM, lambda: hf.MixtralConfig(
+        vocab_size=128, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        intermediate_size=16, num_local_experts=8, num_experts_per_tok=2)),
+    "t5": (mt.T5ForConditionalGeneration, lambda: hf.T5Config(
+        vocab_size=128, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4)),
+    "bert": (mt.BertModel, lambda: hf.BertConfig(
+        vocab_size=128, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
+        max_position_embeddings=64)),
+}
+DF_ARCHS = {
+    "unet": (md.UNet2DConditionModel, dict(
+        block_out_channels=(4, 8), layers_per_block=1, sample_size=8, in_channels=4, out_channels=4,
+        down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"), up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"),
+        cross_attention_dim=8, norm_num_groups=4, attention_head_dim=2)),
+    "vae": (md.AutoencoderKL, dict(
+        block_out_channels=[4, 8], in_channels=3, out_channels=3, down_block_types=["DownEncoderBlock2D"] * 2,
+        up_block_types=["UpDecoderBlock2D"] * 2, latent_channels=4, norm_num_groups=4, sample_size=16)),
+    "flux": (md.FluxTransformer2DModel, dict(
+        patch_size=1, in_channels=4, num_layers=1, num_single_layers=1, attention_head_dim=16, num_attention_heads=2,
+        joint_attention_dim=32, pooled_projection_dim=32, axes_dims_rope=[4, 4, 8])),
+}
+
+
+@contextlib.contextmanager
+def techniques_off(value="all"):
+    saved = os.environ.get(fastbuild.ENV_VAR)
+    os.environ[fastbuild.ENV_VAR] = value
+    try:
+        yield
+    finally:
+        if saved is None:
+            os.environ.pop(fastbuild.ENV_VAR, None)
+        else:
+            os.environ[fastbuild.ENV_VAR] = saved
+
+
+def assert_same_state(expected_model, actual_model):
+    expected, actual = fastbuild.model_state(expected_model), fastbuild.model_state(actual_model)
+    assert expected == actual, fastbuild._first_difference(expected, actual)
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    root = tmp_path_factory.mktemp("fastbuild")
+    out = {}
+    with ms_loadpatch.disabled(), cpu_kernel_fallbacks():
+        for name, (cls, config) in TF_ARCHS.items():
+            ms.set_seed(0)
+            cls(config()).save_pretrained(str(root / name), max_shard_size="40KB")
+            out[name] = (cls, str(root / name))
+        for name, (cls, config) in DF_ARCHS.items():
+            ms.set_seed(0)
+            cls(**config).save_pretrained(str(root / name))
+            out[name] = (cls, str(root / name))
+    return out
+
+
+# -- probes and switches
+
+
+@pytest.mark.matrix
+def test_every_probe_passes_on_this_mindspore():
+    rows = fastbuild.technique_status()
+    assert [r["name"] for r in rows] == NAMES
+    for row in rows:
+        assert set(row) == {"name", "description", "state", "reason"}
+        assert row["state"] == "active", row
+        assert row["description"]
+
+
+def test_env_var_switches_techniques_off():
+    with techniques_off("signature-cache, gc-pause"):
+        states = {r["name"]: r["state"] for r in fastbuild.technique_status()}
+        assert states == {"cell-init-template": "active", "signature-cache": "off", "flat-name-walk": "active",
+                          "sibling-clone": "active", "gc-pause": "off"}
+        assert [t.name for t in fastbuild.active_techniques()] == ["cell-init-template", "flat-name-walk",
+                                                                   "sibling-clone"]
+    with techniques_off("all"):
+        rows = fastbuild.technique_status()
+        assert {r["state"] for r in rows} == {"off"}
+        assert all(fastbuild.ENV_VAR in r["reason"] for r in rows)
+        original = vars(nn.Cell)["__init__"]
+        with CONSTRUCTION_LOCK, fastbuild.fast_construction():
+            assert vars(nn.Cell)["__init__"] is original
+
+
+def test_window_installs_and_restores():
+    import gc
+    import inspect
+
+    originals = {k: vars(nn.Cell)[k] for k in ("__init__", "update_parameters_name")}
+    linear_init, relu_has_init = vars(ms.mint.nn.Linear)["__init__"], "__init__" in vars(nn.ReLU)
+    count = nn.Cell.total_instance_count
+    primitive_module = ms.ops.prim_attr_register.__globals__
+    with CONSTRUCTION_LOCK, lazy_construction(fast=True):
+        assert all(vars(nn.Cell)[k] is not v for k, v in originals.items())
+        assert primitive_module["inspect"] is not inspect
+        assert not gc.isenabled()
+        built = [ms.mint.nn.Linear(2, 2) for _ in range(4)] + [nn.ReLU() for _ in range(2)]
+        assert vars(ms.mint.nn.Linear)["__init__"] is not linear_init  # hooked for sibling-clone
+    assert all(vars(nn.Cell)[k] is v for k, v in originals.items())
+    assert vars(ms.mint.nn.Linear)["__init__"] is linear_init and ("__init__" in vars(nn.ReLU)) == relu_has_init
+    assert primitive_module["inspect"] is inspect and gc.isenabled()
+    assert nn.Cell.total_instance_count == count + 6  # the deferred count is added when the window closes
+    del built
+
+
+class _WrongPrefixTemplate(fastbuild.CellInitTemplate):
+    """A fast Cell.__init__ that forgets one per-instance value."""
+
+    def install(self):
+        installed = super().install()
+        fast = nn.Cell.__init__
+
+        def __init__(cell, auto_prefix=True, flags=None):
+            fast(cell, auto_prefix, flags)
+            cell.__dict__["_auto_prefix"] = True
+
+        nn.Cell.__init__ = __init__
+        return installed
+
+
+class _UnprefixedWalk(fastbuild.FlatNameWalk):
+    """A name walk that drops the prefix."""
+
+    def install(self):
+        original = self.original
+        nn.Cell.update_parameters_name = lambda cell, prefix="", recurse=True: original(cell, "", recurse)
+        return True
+
+
+class _SharedContainers(fastbuild.CellInitTemplate):
+    """A template whose containers are shared between cells instead of fresh."""
+
+    def install(self):
+        self.fresh = tuple((key, (lambda shared=factory(): shared)) for key, factory in self.fresh)
+        return super().install()
+
+
+class _SharedParameters(fastbuild.SiblingClone):
+    """Copies that share the first cell's parameters, and no check of recipes."""
+
+    def _learn(self, cell, first, snapshot):
+        self.shared = {}
+        recipe = self._compile(cell)
+        return ("recipe" if recipe is not None else "never", recipe, snapshot)
+
+    def _make(self, item, made):
+        if item[0] == "param":
+            return self.shared.setdefault(id(item), super()._make(item, made))
+        return super()._make(item, made)
+
+
+@pytest.mark.parametrize("broken", [_WrongPrefixTemplate, _UnprefixedWalk, _SharedContainers, _SharedParameters])
+def test_probe_catches_a_wrong_fast_path(broken):
+    reason = fastbuild._run_probe(broken())
+    assert reason is not None and ("differs" in reason or "registries" in reason), reason
+    assert vars(nn.Cell)["__init__"].__module__ != fastbuild.__name__  # restored after the probe
+
+
+def test_failed_probe_skips_and_load_stays_identical(checkpoints, monkeypatch):
+    failing = {name: "simulated probe failure" for name in NAMES}
+    monkeypatch.setattr(fastbuild, "_probe_results", failing)
+    rows = fastbuild.technique_status()
+    assert {r["state"] for r in rows} == {"skipped"} and all("simulated" in r["reason"] for r in rows)
+    installs = []
+    for technique in fastbuild.TECHNIQUES:
+        monkeypatch.setattr(technique, "install", lambda t=technique: installs.append(t.name) or False)
+    cls, path = checkpoints["mixtral"]
+    reference, accelerated = load_both(lambda: cls.from_pretrained(path))
+    assert installs == []
+    assert context.last_report().tensors_assigned > 0
+    assert_same_model(reference, accelerated)
+
+
+# -- sibling-clone: what it copies and what it leaves to __init__
+
+
+def _sibling_clone():
+    return next(t for t in fastbuild.TECHNIQUES if t.name == "sibling-clone")
+
+
+def test_moe_experts_are_copied_and_same_objects():
+    cls, config = TF_ARCHS["mixtral"]
+    technique = _sibling_clone()
+    before = technique.cloned
+    ms.set_seed(1)
+    with techniques_off("sibling-clone"), lazy_construction(fast=True):
+        plain = cls(config())
+    with lazy_construction(fast=True):
+        fast = cls(config())
+    assert technique.cloned - before >= 10  # 2 layers x 8 experts: all but the first builds copied
+    assert_same_state(plain, fast)
+    names = [n for n, _ in fast.parameters_and_names()]
+    assert names == [n for n, _ in plain.parameters_and_names()] and len(set(names)) == len(names)
+    assert len({id(p) for p in fast.get_parameters()}) == len(list(plain.get_parameters()))
+
+
+class _Counted(nn.Cell):
+    """Each build differs (a class-level counter): never copied."""
+    builds = 0
+
+    def __init__(self, width):
+        super().__init__()
+        _Counted.builds += 1
+        self.index = _Counted.builds
+        self.proj = ms.mint.nn.Linear(width, width)
+
+
+class _Sized(nn.Cell):
+    """Reads its config at build time."""
+
+    def __init__(self, config):
+        super().__init__()
+        self.proj = ms.mint.nn.Linear(config.width, config.width)
+
+
+# these stand for library cells (sibling-clone copies only mindspore's and mindone's)
+_Counted.__module__ = _Sized.__module__ = "mindone.ms_loadpatch_test_cells"
+
+
+def test_cells_that_differ_between_builds_are_not_copied():
+    with lazy_construction(fast=True):
+        built = [_Counted(3) for _ in range(6)]
+    assert [c.index for c in built] == [c.index for c in sorted(built, key=lambda c: c.index)]
+    assert len({c.index for c in built}) == 6
+
+
+def test_a_config_changed_between_builds_is_seen():
+    class Config:
+        width = 2
+
+    config = Config()
+    config.width = 2
+    widths = [2, 2, 2, 2, 3, 3, 2]
+    with lazy_construction(fast=True):
+        built = []
+        for width in widths:
+            config.width = width
+            built.append(_Sized(config))
+    assert [c.proj.weight.shape[0] for c in built] == widths
+
+
+# -- the same objects: transformers
+
+
+def _loaded(cls, path, off=None, **kwargs):
+    ms.set_seed(11)  # dropout primitives draw their seeds from the global generator: same sequence both ways
+    with techniques_off(off) if off else contextlib.nullcontext():
+        return cls.from_pretrained(path, **kwargs)
+
+
+@pytest.mark.parametrize("arch", list(TF_ARCHS))
+def test_transformers_same_objects(checkpoints, arch):
+    cls, path = checkpoints[arch]
+    with ms_loadpatch.disabled():
+        reference = cls.from_pretrained(path)
+    fast = _loaded(cls, path)
+    plain = _loaded(cls, path, off="all")
+    assert_same_state(plain, fast)
+    assert_same_model(reference, fast)
+    assert [n for n, _ in reference.cells_and_names()] == [n for n, _ in fast.cells_and_names()]
+    assert {n: p.name for n, p in reference.parameters_and_names()} == {n: p.name for n, p in fast.parameters_and_names()}
+
+
+@pytest.mark.parametrize("arch", ["mixtral", "t5"])
+def test_lazily_built_same_objects(arch):
+    """The construction itself: lazy parameters with their initializers, every cell's state."""
+    cls, config = TF_ARCHS[arch]
+    ms.set_seed(2)
+    with lazy_construction(fast=False):
+        plain = cls(config())
+    ms.set_seed(2)
+    with lazy_construction(fast=True):
+        fast = cls(config())
+    assert all(p.has_init for p in fast.get_parameters() if p.init_mode is not None)
+    assert_same_state(plain, fast)
+    assert fastbuild.technique_status()
+
+
+def _train_step(model, inputs, kwargs=None, loss_of=None):
+    """One value_and_grad + Adam step over all trainable parameters; the loss,
+    gradients and updated weights as arrays. `loss_of(model, *inputs)`: the
+    loss (default: the mean of the model's first output)."""
+    params = model.trainable_params()
+    kwargs = kwargs or {}
+    optimizer = nn.Adam(params, learning_rate=1e-2)
+
+    def default_loss(model, *args):
+        out = model(*args, **kwargs)
+        out = out if isinstance(out, ms.Tensor) else out[0]
+        return out.astype(ms.float32).mean()
+
+    loss_of = loss_of or default_loss
+    grad_fn = ms.value_and_grad(lambda *args: loss_of(model, *args), None, optimizer.parameters)
+    loss, grads = grad_fn(*inputs)
+    optimizer(grads)
+    assert any(np.any(g.asnumpy() != 0) for g in grads)  # the step changes something
+    return (loss.asnumpy(), [g.asnumpy() for g in grads], [p.asnumpy() for p in params])
+
+
+def _assert_bits_equal(expected, actual):
+    loss_e, grads_e, params_e = expected
+    loss_a, grads_a, params_a = actual
+    assert loss_e.tobytes() == loss_a.tobytes()
+    assert len(grads_e) == len(grads_a) and len(params_e) == len(params_a)
+    for e, a in zip(grads_e + params_e, grads_a + params_a):
+        assert e.dtype == a.dtype and e.shape == a.shape and e.tobytes() == a.tobytes()
+
+
+def test_transformers_forward_and_training_step(checkpoints):
+    cls, path = checkpoints["qwen2"]
+    reference, accelerated = load_both(lambda: cls.from_pretrained(path))
+    ids = ms.Tensor(np.arange(12).reshape(1, 12) % 100, ms.int32)
+    assert reference(ids)[0].asnumpy().tobytes() == accelerated(ids)[0].asnumpy().tobytes()
+    _assert_bits_equal(_train_step(reference, (ids,)), _train_step(accelerated, (ids,)))
+
+
+def _files(directory):
+    return {name: open(os.path.join(directory, name), "rb").read() for name in sorted(os.listdir(directory))}
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "vae"])
+def test_save_pretrained_identical_files(checkpoints, tmp_path, arch):
+    cls, path = checkpoints[arch]
+    reference, accelerated = load_both(lambda: cls.from_pretrained(path))
+    reference.save_pretrained(str(tmp_path / "reference"))
+    accelerated.save_pretrained(str(tmp_path / "accelerated"))
+    expected, actual = _files(tmp_path / "reference"), _files(tmp_path / "accelerated")
+    assert list(expected) == list(actual) and any(n.endswith(".safetensors") for n in actual)
+    for name in expected:
+        assert expected[name] == actual[name], name
+
+
+def test_transformers_from_config_same_objects():
+    cls, config = TF_ARCHS["mixtral"]
+    with ms_loadpatch.disabled():
+        ms.set_seed(3)
+        reference = cls._from_config(config())
+    ms.set_seed(3)
+    fast = cls._from_config(config())
+    ms.set_seed(3)
+    with techniques_off():
+        plain = cls._from_config(config())
+    assert_same_model(reference, fast)
+    assert_same_state(plain, fast)
+
+
+# -- the same objects: diffusers
+
+
+@pytest.mark.parametrize("arch", list(DF_ARCHS))
+def test_diffusers_same_objects(checkpoints, arch):
+    cls, path = checkpoints[arch]
+    with ms_loadpatch.disabled():
+        reference = cls.from_pretrained(path, mindspore_dtype=ms.bfloat16)
+    fast = _loaded(cls, path, mindspore_dtype=ms.bfloat16)
+    assert context.last_report().library == "diffusers"
+    plain = _loaded(cls, path, off="all", mindspore_dtype=ms.bfloat16)
+    assert_same_state(plain, fast)
+    assert_same_model(reference, fast)
+
+
+def test_diffusers_forward_and_training_step(checkpoints):
+    """Flux: the small diffusers model whose forward runs on the CPU backend
+    (with test_diffusers_identity's routes). Its full backward does not run
+    on this backend, unpatched either ("pointer[input_tensor] is null"), so
+    the training step goes through its embedders and output head."""
+    from test_diffusers_identity import flux_cpu_routes
+
+    cls, path = checkpoints["flux"]
+    reference, accelerated = load_both(lambda: cls.from_pretrained(path))
+    rng = np.random.default_rng(0)
+
+    def tensor(*shape):
+        return ms.Tensor(rng.standard_normal(shape).astype(np.float32))
+
+    inputs = dict(hidden_states=tensor(1, 16, 4), encoder_hidden_states=tensor(1, 8, 32), pooled_projections=tensor(1, 32),
+                  img_ids=tensor(16, 3), txt_ids=tensor(8, 3), timestep=ms.Tensor([1.0]))
+
+    def loss_of(model, hidden, context, timestep, pooled):
+        temb = model.time_text_embed(timestep, pooled)
+        out = model.proj_out(model.norm_out(model.x_embedder(hidden), temb))
+        return out.mean() + model.context_embedder(context).mean()
+
+    with flux_cpu_routes():
+        assert reference(**inputs)[0].asnumpy().tobytes() == accelerated(**inputs)[0].asnumpy().tobytes()
+        step_inputs = (inputs["hidden_states"], inputs["encoder_hidden_states"], inputs["timestep"],
+                       inputs["pooled_projections"])
+        _assert_bits_equal(_train_step(reference, step_inputs, loss_of=loss_of),
+                           _train_step(accelerated, step_inputs, loss_of=loss_of))
+
+
+def test_diffusers_from_config_same_objects():
+    cls, config = DF_ARCHS["unet"]
+    with ms_loadpatch.disabled():
+        ms.set_seed(5)
+        reference = cls.from_config(config)
+    ms.set_seed(5)
+    fast = cls.from_config(config)
+    ms.set_seed(5)
+    with techniques_off():
+        plain = cls.from_config(config)
+    assert_same_model(reference, fast)
+    assert_same_state(plain, fast)
+
+
+# -- graph mode
+
+
+class _Mlp(nn.Cell):
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.SequentialCell([nn.Dense(6, 8), nn.ReLU(), nn.Dense(8, 4)])
+        self.norm = nn.LayerNorm((4,))
+        self.proj = ms.mint.nn.Linear(4, 2, bias=False)
+
+    def construct(self, x):
+        return self.proj(self.norm(self.layers(x)))
+
+
+def test_jit_forward_and_gradients():
+    """mindone's models do not compile on the CPU backend (masking code); a
+    mindspore model built with the techniques runs under mindspore.jit."""
+    with CONSTRUCTION_LOCK, fastbuild.fast_construction():
+        fast = _Mlp()
+    with techniques_off(), CONSTRUCTION_LOCK, fastbuild.fast_construction():
+        plain = _Mlp()
+    assert_same_state(plain, fast)
+    for (_, a), (_, b) in zip(plain.parameters_and_names(), fast.parameters_and_names()):
+        b.set_data(ms.Tensor(a.asnumpy()))
+    x = ms.Tensor(np.linspace(-2, 2, 18, dtype=np.float32).reshape(3, 6))
+    results = []
+    for model in (plain, fast):
+        @ms.jit
+        def loss(inputs, model=model):
+            return model(inputs).sum()
+
+        value, grads = ms.value_and_grad(loss, None, model.trainable_params())(x)
+        results.append([value.asnumpy().tobytes()] + [g.asnumpy().tobytes() for g in grads])
+    assert results[0] == results[1]
+
+
+def test_an_exception_in_the_window_leaves_nothing_behind():
+    """A build that fails after cells were copied: every class __init__, nn.Cell
+    method, gc and the cell count are back, and the next build is plain again."""
+    import gc
+
+    class Failing(nn.Cell):
+        def __init__(self):
+            super().__init__()
+            raise RuntimeError("failing on purpose")
+
+    count = nn.Cell.total_instance_count
+    linear_init = vars(ms.mint.nn.Linear)["__init__"]
+    technique = _sibling_clone()
+    before = technique.cloned
+    with pytest.raises(RuntimeError, match="on purpose") as caught:
+        with lazy_construction(fast=True):
+            built = [ms.mint.nn.Linear(2, 2) for _ in range(6)]
+            Failing()
+    assert technique.cloned > before  # the failure came after copies were made
+    assert fastbuild.leftovers() == []
+    assert vars(ms.mint.nn.Linear)["__init__"] is linear_init
+    del caught  # its traceback holds the failed cell
+    gc.collect()
+    assert nn.Cell.total_instance_count == count + 6  # the failed cell is gone again, the six are counted
+    del built
+    gc.collect()
+    assert nn.Cell.total_instance_count == count
