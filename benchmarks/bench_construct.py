@@ -4,7 +4,9 @@ technique and with each one switched off (its contribution).
 
 Each measurement is a fresh process (imports first, then the clock runs
 around the model's constructor only: `cls(config)` with mindone's init pass
-off, as bench's construct floor does); median over --repeats.
+off, as bench's construct floor does); median over --repeats. Memory is
+primed before the clock starts (bench's `--memory primed`: this VM charges
+about 2 s/GB on first touch of fresh memory, which would swamp the build).
 
     python benchmarks/bench_construct.py --repeats 3
     python benchmarks/bench_construct.py --models moe --repeats 1
@@ -40,6 +42,7 @@ import ms_loadpatch
 from ms_loadpatch.strategy import fastbuild
 from ms_loadpatch.strategy.construct import lazy_construction
 from ms_loadpatch.testing import cpu_kernel_fallbacks
+from ms_loadpatch.tools._child import prime_memory
 
 cls = getattr(transformers, class_name)
 config = cls.config_class(**config)
@@ -47,6 +50,7 @@ modeling_utils._init_weights = False  # the init pass is not construction
 if variant != "floor":
     fastbuild.active_techniques()  # probes run once per process, before the clock
 gc.collect()
+prime_memory(1536 * 2**20)  # more than the build allocates
 with cpu_kernel_fallbacks():  # this backend lacks some kernels mindone's constructors call
     start = time.perf_counter()
     if variant == "floor":

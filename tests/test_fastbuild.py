@@ -380,8 +380,10 @@ def test_transformers_from_config_same_objects():
     with ms_loadpatch.disabled():
         ms.set_seed(3)
         reference = cls._from_config(config())
+    cloned = _sibling_clone().cloned
     ms.set_seed(3)
     fast = cls._from_config(config())
+    assert _sibling_clone().cloned == cloned  # random values are drawn while building: never copied
     ms.set_seed(3)
     with techniques_off():
         plain = cls._from_config(config())

@@ -121,7 +121,7 @@ def _accelerated_from_pretrained(wrapped, instance, args, kwargs):
 
 def from_config(wrapped, instance, args, kwargs):
     # never inside another thread's lazy-construction window; cells built the fast way (same objects)
-    with CONSTRUCTION_LOCK, fast_construction():
+    with CONSTRUCTION_LOCK, fast_construction(lazy_parameters=False):
         return wrapped(*args, **kwargs)
 
 

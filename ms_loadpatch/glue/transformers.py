@@ -116,7 +116,7 @@ def _name_the_file(exc, wrapped):
 
 def from_config(wrapped, instance, args, kwargs):
     # never inside another thread's lazy-construction window; cells built the fast way (same objects)
-    with CONSTRUCTION_LOCK, fast_construction():
+    with CONSTRUCTION_LOCK, fast_construction(lazy_parameters=False):
         return wrapped(*args, **kwargs)
 
 

@@ -7,8 +7,9 @@ the fast version in the building thread and the original everywhere else,
 and the originals are put back in `finally` when the outermost window closes.
 
 Every technique has a probe that runs once per process on the installed
-mindspore: it builds a small probe model with only that technique and with
-plain mindspore, and compares the full state of both (every cell's class,
+mindspore: the small probe model is built plain and with the techniques
+(all together first; only if that differs, each alone to find which), and
+the full state of both is compared (every cell's class,
 `__dict__` keys in order and values, parameter metadata, primitive
 attributes, global registries). A failed probe skips the technique;
 `technique_status()` says which and why. `MS_LOADPATCH_TECHNIQUES_OFF` turns
@@ -430,21 +431,24 @@ class _Unclonable(Exception):
 
 class SiblingClone:
     """A model builds many cells of one class with the same arguments (the
-    experts of every MoE layer, identical MLPs): the first such cell of a
-    window is built by its own `__init__`, the others are copied from a
-    recipe taken from it right after its `__init__` returned. The recipe
-    re-creates every per-instance object the same way mindspore makes it:
-    cells (`Cell_.__init__`, instance count, compile cache, `init_pipeline`,
-    a fresh `_create_time`), lazy Parameters by `Parameter(initializer(...))`
-    with the same name and flags, primitives as mindspore copies them
-    (`type(p)(**p.init_attrs)`), initializers, containers; it shares what
-    the first cell got from its arguments (the config) and immutable values.
-    A recipe is used only after a copy made from it equals the cell it was
-    taken from (`model_state`: every cell's `__dict__`, parameters, primitives);
-    anything else in the cell (tensors, random values, closures, unknown
-    objects) and arguments other than scalars and config objects leave the
-    class to its own `__init__`. A config is matched by identity and by
-    the items of its `__dict__` at each call."""
+    experts of every MoE layer, identical MLPs). Within a window, a class is
+    noticed at its first build (its `__init__` is wrapped until the window
+    closes); the next two builds with the same arguments run `__init__` and
+    each gives a recipe, taken right after `__init__` returned; when both
+    recipes are the same and a copy made from the recipe equals the second
+    cell (`model_state`: every cell's `__dict__`, parameters, primitives),
+    later builds with those arguments are copies. A copy re-creates every
+    per-instance object as mindspore makes it: cells (`Cell_.__init__`,
+    instance count, compile cache, `init_pipeline`, a fresh `_create_time`),
+    lazy Parameters by `Parameter(initializer(...))` with the same name and
+    flags, primitives as mindspore copies them (`type(p)(**p.init_attrs)`),
+    initializers and containers; it shares immutable values and what both
+    builds shared (the config, a module-level primitive). Tensors, non-lazy
+    parameters, closures, bound methods and unknown objects in the cell,
+    arguments other than scalars and config-like objects, and classes outside
+    mindspore / mindone leave the build to `__init__`. A config is matched by
+    identity, by the identities of its attributes and by their values at
+    each call (a config changed between builds starts the learning over)."""
 
     name = "sibling-clone"
     description = ("cells built again with the same arguments (each expert of a MoE layer) copied from a recipe "
@@ -1242,12 +1246,17 @@ def _window(techniques):
 
 
 @contextlib.contextmanager
-def fast_construction():
+def fast_construction(lazy_parameters: bool = True):
     """Construction in this thread takes every active technique's fast path.
-    Call with CONSTRUCTION_LOCK held."""
+    Call with CONSTRUCTION_LOCK held. Without `lazy_parameters` (from_config:
+    parameters get their random values while the model is built) cells are
+    never copied: a copy would skip its draws from the random generator."""
     if _depth and _builder == threading.get_ident():
         with _window(()):
             yield
         return
-    with _window(active_techniques()):
+    techniques = active_techniques()
+    if not lazy_parameters:
+        techniques = [t for t in techniques if not isinstance(t, SiblingClone)]
+    with _window(techniques):
         yield
