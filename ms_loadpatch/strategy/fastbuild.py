@@ -433,8 +433,8 @@ class SiblingClone:
     """A model builds many cells of one class with the same arguments (the
     experts of every MoE layer, identical MLPs). Within a window, a class is
     noticed at its first build (its `__init__` is wrapped until the window
-    closes); the next two builds with the same arguments run `__init__` and
-    each gives a recipe, taken right after `__init__` returned; when both
+    closes); a call is noted at its first build, the next two with the same
+    arguments run `__init__` and each gives a recipe, taken right after `__init__` returned; when both
     recipes are the same and a copy made from the recipe equals the second
     cell (`model_state`: every cell's `__dict__`, parameters, primitives),
     later builds with those arguments are copies. A copy re-creates every
@@ -586,9 +586,12 @@ class SiblingClone:
             self._fill_root(cell, entry[1])
             self.cloned += 1
             return None
+        if entry is None:  # a call seen once (e.g. a layer with its own index) is not worth a recipe
+            self.entries[key] = ("seen", None, None)
+            return init(cell, *args, **kwargs)
         snapshot = self._config_snapshot(configs)
         init(cell, *args, **kwargs)
-        if entry is None or entry[0] == "recipe":  # first build, or the config changed: start over
+        if entry[0] in ("seen", "recipe"):  # second build, or the config changed: (re)start learning
             self.entries[key] = ("first", self._compile(cell, keep=True), snapshot)
         elif entry[0] == "first" and self._configs_unchanged(snapshot) and entry[2] == snapshot:
             self.entries[key] = self._learn(cell, entry[1], snapshot)
@@ -903,8 +906,8 @@ def _probe_model():
             self.inner_list.append(Leaf())
             self.tail = _LateParam()
             settings = Settings()
-            # the first build of a class is its own, the next two teach the recipe, the fourth is copied
-            self.experts = nn.CellList([Expert(settings) for _ in range(4)] + [Expert(settings, scale=1)])
+            # a class's first build is its own, its second is noted, the next two teach the recipe, then copies
+            self.experts = nn.CellList([Expert(settings) for _ in range(5)] + [Expert(settings, scale=1)])
 
         def construct(self, x):
             return x
