@@ -452,7 +452,7 @@ class SiblingClone:
 
     name = "sibling-clone"
     description = ("cells built again with the same arguments (each expert of a MoE layer) copied from a recipe "
-                   "checked against the first one built")
+                   "checked against real builds")
     _SCALARS = (type(None), bool, int, float, complex, str, bytes)
 
     def __init__(self):
