@@ -204,9 +204,11 @@ def _technique_rows() -> list[dict]:
 
     rows = versions.techniques().rows()
     construction_ok = next(r["state"] for r in rows if r["name"] == "lazy-construction") == "active"
+    start = fastbuild.start_after_cells()
+    when = f"construction from a build's cell {start}" if start else "construction"
     for row in fastbuild.technique_status() if construction_ok else ():
         rows.append({"name": row["name"], "libraries": list(versions.LIBRARIES),
-                     "description": f"construction: {row['description']}", "state": row["state"],
+                     "description": f"{when}: {row['description']}", "state": row["state"],
                      "reason": row["reason"]})
     return rows
 

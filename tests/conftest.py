@@ -7,6 +7,11 @@ import pytest
 
 TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
 
+# Test models have tens of cells: fast construction engages from their first
+# cell (in this process and the ones tests start), so every suite exercises it;
+# test_fastbuild checks the default start on its own.
+os.environ.setdefault("MS_LOADPATCH_FAST_CONSTRUCTION_FROM", "0")
+
 
 def run_python(code_or_args, env_extra=None, env_drop=(), timeout=600, cwd=None):
     """Run a fresh Python process (real import order, real environment)."""

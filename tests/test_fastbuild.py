@@ -216,6 +216,84 @@ def test_failed_probe_skips_and_load_stays_identical(checkpoints, monkeypatch):
     assert_same_model(reference, accelerated)
 
 
+# -- where a build starts taking the fast paths
+
+
+_START_CHILD = r"""
+import json, os, sys
+import mindspore as ms
+import transformers as hf
+import mindone.transformers as mt
+import ms_loadpatch
+from ms_loadpatch.strategy import fastbuild
+from ms_loadpatch.strategy.construct import lazy_construction
+from ms_loadpatch.testing import assert_same_model, cpu_kernel_fallbacks, load_both
+
+config = lambda: hf.MixtralConfig(vocab_size=128, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                  num_key_value_heads=2, intermediate_size=16, num_local_experts=8)
+clone = next(t for t in fastbuild.TECHNIQUES if t.name == "sibling-clone")
+with cpu_kernel_fallbacks():
+    with lazy_construction(fast=True):
+        fast = mt.MixtralForCausalLM(config())
+    out = {"start": fastbuild.start_after_cells(), "probed": dict(fastbuild._probe_results),
+           "engaged_at": fastbuild.engaged_at, "cloned": clone.cloned, "leftovers": fastbuild.leftovers(),
+           "cells": sum(1 for _ in fast.cells_and_names())}
+    with lazy_construction(fast=False):
+        plain = mt.MixtralForCausalLM(config())
+    expected, actual = fastbuild.model_state(plain), fastbuild.model_state(fast)
+    out["same_state"] = expected == actual or fastbuild._first_difference(expected, actual)
+    if sys.argv[1:]:  # and a load from the checkpoint, against an unpatched one
+        cls = mt.MixtralForCausalLM
+        reference, accelerated = load_both(lambda: cls.from_pretrained(sys.argv[1]))
+        assert_same_model(reference, accelerated)
+        out["loaded_same"] = True
+        out["leftovers_after_load"] = fastbuild.leftovers()
+print("RESULT " + json.dumps(out))
+"""
+
+
+def _start_child(python_proc, start, *args):
+    env = {} if start is None else {fastbuild.START_ENV_VAR: str(start)}
+    proc = python_proc(["-c", _START_CHILD, *args], env_extra=env, env_drop=(fastbuild.START_ENV_VAR,))
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    assert proc.returncode == 0 and lines, proc.stderr[-4000:]
+    import json
+
+    return json.loads(lines[-1][len("RESULT "):])
+
+
+def test_default_start_builds_a_small_model_plainly(python_proc):
+    """Unset, a model of fewer cells than DEFAULT_START never runs the probes nor installs a technique."""
+    out = _start_child(python_proc, None)
+    assert out["start"] == fastbuild.DEFAULT_START and out["cells"] < fastbuild.DEFAULT_START
+    assert out["probed"] == {} and out["engaged_at"] is None and out["cloned"] == 0
+    assert out["same_state"] is True and out["leftovers"] == []
+
+
+def test_techniques_engage_mid_build_same_model(python_proc, checkpoints):
+    """With the start inside the build, the probes run there (first in this
+    process), the techniques take over the rest of it, and the model built
+    and the model loaded equal plain / unpatched ones."""
+    out = _start_child(python_proc, 40, checkpoints["mixtral"][1])
+    assert out["start"] == 40 and out["cells"] > 40
+    assert out["probed"] and all(reason is None for reason in out["probed"].values()), out["probed"]
+    assert out["engaged_at"] == 40
+    assert out["cloned"] > 0  # experts after the start were copied
+    assert out["same_state"] is True, out["same_state"]
+    assert out["loaded_same"] and out["leftovers"] == [] and out["leftovers_after_load"] == []
+
+
+def test_bad_start_value_is_ignored(monkeypatch, caplog):
+    from ms_loadpatch import activation
+
+    monkeypatch.setattr(activation, "_warned", set())
+    monkeypatch.setenv(fastbuild.START_ENV_VAR, "many")
+    assert fastbuild.start_after_cells() == fastbuild.DEFAULT_START
+    assert fastbuild.START_ENV_VAR in caplog.text
+    monkeypatch.setenv(fastbuild.START_ENV_VAR, "0")
+    assert fastbuild.start_after_cells() == 0
+
+
 # -- sibling-clone: what it copies and what it leaves to __init__
 
 

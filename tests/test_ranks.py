@@ -7,6 +7,7 @@ import sys
 
 import pytest
 
+from ms_loadpatch import activation
 from ms_loadpatch.strategy import ranks
 from ms_loadpatch.strategy.reader import background_read_threads, read_threads
 
@@ -16,7 +17,7 @@ LAUNCHER_VARS = ("MS_LOADPATCH_LOCAL_RANKS", "MS_ROLE", "MS_WORKER_NUM", "LOCAL_
 
 @pytest.fixture
 def clean_env(monkeypatch):
-    monkeypatch.setattr(ranks, "_warned", set())
+    monkeypatch.setattr(activation, "_warned", set())
     for name in LAUNCHER_VARS:
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setattr(ranks, "available_cores", lambda: 8)

@@ -28,13 +28,22 @@ import threading
 import time
 import types
 
+from ..activation import env_int
+
 ENV_VAR = "MS_LOADPATCH_TECHNIQUES_OFF"
+# A build's first cells are plain; the probes run and the techniques engage at
+# this cell (0: from the first). Below it the probes (~0.2 s) cost more than
+# the techniques save (~0.15 ms a cell): a dense model of a few hundred cells.
+START_ENV_VAR = "MS_LOADPATCH_FAST_CONSTRUCTION_FROM"
+DEFAULT_START = 1000
 ACTIVE, SKIPPED, OFF = "active", "skipped", "off"
 
 # The thread whose construction takes the fast paths (None: no window open).
 # Set and cleared under CONSTRUCTION_LOCK, by the outermost window only.
 _builder: int | None = None
 _depth = 0
+# Cells the last outermost window had built when its techniques engaged (None: never).
+engaged_at: int | None = None
 _state_lock = threading.Lock()
 
 
@@ -1032,7 +1041,7 @@ def _build_probe(techniques=()):
     with CONSTRUCTION_LOCK, lazy_construction(fast=False), \
             (contextlib.nullcontext() if any(isinstance(t, GcPause) for t in techniques) else _no_cyclic_collection()):
         before = _registries()
-        with _window(list(techniques)):
+        with _window(lambda: list(techniques)):
             model = _probe_model()
         after = _registries()
     registered = _compile_cache_entries(model)
@@ -1180,6 +1189,10 @@ def leftovers() -> list[str]:
             found.append(f"{technique.name}: {technique.count.pending} cells not counted")
         if isinstance(technique, GcPause) and technique.paused:
             found.append("cyclic garbage collection still paused")
+    from mindspore import nn
+
+    if "_StartCounter" in getattr(vars(nn.Cell).get("__init__"), "__qualname__", ""):
+        found.append("nn.Cell.__init__ still counts cells")
     if not gc.isenabled():
         found.append("gc is disabled")
     return found
@@ -1219,11 +1232,73 @@ def active_techniques() -> list:
 # -- the window
 
 
-@contextlib.contextmanager
-def _window(techniques):
-    """Install `techniques` for the calling thread (outermost call only);
-    the caller holds CONSTRUCTION_LOCK."""
+class _StartCounter:
+    """Counts the cells the building thread makes (a pass-through wrapper of
+    nn.Cell.__init__) and, at the `start`-th, takes itself out and calls
+    `reached()`, which runs the probes (once per process) and installs the
+    techniques for the rest of the build (True when it installed any). A model of few cells is built
+    plainly: the probes cost more than the techniques would save."""
+
+    def __init__(self, start, reached):
+        from mindspore import nn
+
+        self.cell_class, self.start, self.reached = nn.Cell, start, reached
+        self.count = 0
+        self.original = self.wrapper = None
+
+    def install(self):
+        original = vars(self.cell_class).get("__init__")
+        if original is None:
+            return False
+        counter = self
+
+        def __init__(cell, *args, **kwargs):
+            global engaged_at
+            if _builder == threading.get_ident():
+                counter.count += 1
+                if counter.count >= counter.start and counter.uninstall() and counter.reached():
+                    engaged_at = counter.count
+            return original(cell, *args, **kwargs)
+
+        __init__.__wrapped__ = original
+        __init__.__doc__ = original.__doc__
+        self.original, self.wrapper = original, __init__
+        self.cell_class.__init__ = __init__
+        return True
+
+    def uninstall(self) -> bool:
+        """Puts nn.Cell.__init__ back; False when already done."""
+        if self.wrapper is None:
+            return False
+        if vars(self.cell_class).get("__init__") is self.wrapper:
+            self.cell_class.__init__ = self.original
+        self.wrapper = None
+        return True
+
+
+def _install_chosen(choose, installed) -> bool:
+    """Runs the probes (outside the open window: they build models of their
+    own) and installs the active techniques into it; True when any was."""
     global _builder, _depth
+    builder, depth = _builder, _depth
+    _builder, _depth = None, 0
+    try:
+        techniques = choose()
+    finally:
+        _builder, _depth = builder, depth
+    before = len(installed)
+    for technique in techniques:
+        if technique.install():
+            installed.append(technique)
+    return len(installed) > before
+
+
+@contextlib.contextmanager
+def _window(choose, start: int = 0):
+    """Open the building thread's window (outermost call only; the caller
+    holds CONSTRUCTION_LOCK): `choose()` gives the techniques, installed at
+    once when `start` is 0, else once the build has made `start` cells."""
+    global _builder, _depth, engaged_at
     if _depth:
         if _builder != threading.get_ident():  # cannot happen under the lock; never share a window
             raise RuntimeError("ms_loadpatch: fast construction window opened from two threads")
@@ -1233,33 +1308,47 @@ def _window(techniques):
         finally:
             _depth -= 1
         return
-    installed = []
+    installed, counter = [], None
     try:
-        for technique in techniques:
-            if technique.install():
-                installed.append(technique)
         _builder = threading.get_ident()
         _depth = 1
+        engaged_at = None
+        if start > 0:
+            counter = _StartCounter(start, lambda: _install_chosen(choose, installed))
+            counter.install()
+        elif _install_chosen(choose, installed):
+            engaged_at = 0
         yield
     finally:
         _depth = 0
         _builder = None
+        if counter is not None:
+            counter.uninstall()
         for technique in reversed(installed):
             technique.uninstall()
 
 
+def start_after_cells() -> int:
+    """The cell of a build at which the techniques engage: START_ENV_VAR, else DEFAULT_START."""
+    value = env_int(START_ENV_VAR, minimum=0)
+    return DEFAULT_START if value is None else value
+
+
 @contextlib.contextmanager
 def fast_construction(lazy_parameters: bool = True):
-    """Construction in this thread takes every active technique's fast path.
-    Call with CONSTRUCTION_LOCK held. Without `lazy_parameters` (from_config:
-    parameters get their random values while the model is built) cells are
-    never copied: a copy would skip its draws from the random generator."""
+    """Construction in this thread takes every active technique's fast path
+    once it has made start_after_cells() cells. Call with CONSTRUCTION_LOCK
+    held. Without `lazy_parameters` (from_config: parameters get their random
+    values while the model is built) cells are never copied: a copy would
+    skip its draws from the random generator."""
     if _depth and _builder == threading.get_ident():
-        with _window(()):
+        with _window(list):
             yield
         return
-    techniques = active_techniques()
-    if not lazy_parameters:
-        techniques = [t for t in techniques if not isinstance(t, SiblingClone)]
-    with _window(techniques):
+
+    def choose():
+        techniques = active_techniques()
+        return techniques if lazy_parameters else [t for t in techniques if not isinstance(t, SiblingClone)]
+
+    with _window(choose, start_after_cells()):
         yield

@@ -10,18 +10,16 @@ Read from the environment at each load (a job may set it after import).
 from __future__ import annotations
 
 import functools
-import logging
 import os
 from dataclasses import dataclass
 
-logger = logging.getLogger("ms_loadpatch")
+from ..activation import env_int
 
 LOCAL_RANKS_ENV_VAR = "MS_LOADPATCH_LOCAL_RANKS"
 
 # Launchers that say how many of the job's processes run on this node.
 _LOCAL_SIZE_VARS = ("LOCAL_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS")
 _RANK_VARS = ("RANK_ID", "OMPI_COMM_WORLD_RANK", "RANK")
-_warned: set[tuple[str, str]] = set()
 
 
 @dataclass(frozen=True)
@@ -37,22 +35,6 @@ class NodeShare:
     def divide(self, threads: int) -> int:
         """This rank's part of `threads` meant for the whole node, at least one."""
         return max(1, threads // self.local_ranks)
-
-
-def _positive_int(name: str) -> int | None:
-    text = os.environ.get(name)
-    if text is None or text.strip() == "":
-        return None
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        if (name, text) not in _warned:  # read at every load and file: say it once
-            _warned.add((name, text))
-            logger.warning("ms_loadpatch: ignoring %s=%r (not a positive integer)", name, text)
-        return None
-    return value
 
 
 def available_cores() -> int:
@@ -91,21 +73,21 @@ def _msrun_local_workers(parent_pid: int) -> int | None:
 
 
 def _local_ranks() -> tuple[int, str]:
-    explicit = _positive_int(LOCAL_RANKS_ENV_VAR)
+    explicit = env_int(LOCAL_RANKS_ENV_VAR)
     if explicit is not None:
         return explicit, LOCAL_RANKS_ENV_VAR
     if os.environ.get("MS_ROLE") == "MS_WORKER":
         local = _msrun_local_workers(os.getppid())
         if local is not None:
             return local, "msrun --local_worker_num"
-        total = _positive_int("MS_WORKER_NUM")
+        total = env_int("MS_WORKER_NUM")
         if total is not None:  # the job's total: at least this node's count, so never more threads than cores
             return total, "MS_WORKER_NUM"
     for name in _LOCAL_SIZE_VARS:
-        value = _positive_int(name)
+        value = env_int(name)
         if value is not None:
             return value, name
-    rank_size = _positive_int("RANK_SIZE")  # rank-table launches: the job's size, an upper bound
+    rank_size = env_int("RANK_SIZE")  # rank-table launches: the job's size, an upper bound
     if rank_size is not None:
         return rank_size, "RANK_SIZE"
     return 1, "not in a distributed job"
