@@ -4,7 +4,11 @@ technique and with each one switched off (its contribution).
 
 Each measurement is a fresh process (imports first, then the clock runs
 around the model's constructor only: `cls(config)` with mindone's init pass
-off, as bench's construct floor does); median over --repeats. Memory is
+off, as bench's construct floor does); median over --repeats. The patched
+clock includes what a load's construct phase pays: the probes, run when the
+build reaches the cell where the techniques engage
+(MS_LOADPATCH_FAST_CONSTRUCTION_FROM, default 1000; a model with fewer cells
+is built plainly). Memory is
 primed before the clock starts (bench's `--memory primed`: this VM charges
 about 2 s/GB on first touch of fresh memory, which would swamp the build).
 
@@ -47,8 +51,6 @@ from ms_loadpatch.tools._child import prime_memory
 cls = getattr(transformers, class_name)
 config = cls.config_class(**config)
 modeling_utils._init_weights = False  # the init pass is not construction
-if variant != "floor":
-    fastbuild.active_techniques()  # probes run once per process, before the clock
 gc.collect()
 prime_memory(1536 * 2**20)  # more than the build allocates
 with cpu_kernel_fallbacks():  # this backend lacks some kernels mindone's constructors call
@@ -63,7 +65,8 @@ with cpu_kernel_fallbacks():  # this backend lacks some kernels mindone's constr
 cells = sum(1 for _ in model.cells_and_names())
 params = len(model.parameters_dict())
 active = [t.name for t in fastbuild.active_techniques()]
-print("RESULT " + json.dumps({"seconds": seconds, "cells": cells, "parameters": params, "active": active}))
+print("RESULT " + json.dumps({"seconds": seconds, "cells": cells, "parameters": params, "active": active,
+                              "engaged_at": fastbuild.engaged_at if variant != "floor" else None}))
 """
 
 
@@ -112,13 +115,16 @@ def main(argv=None) -> int:
             seconds = [r["seconds"] for r in runs]
             rows.append({"variant": variant, "label": label, "runs": seconds,
                          "median_seconds": statistics.median(seconds), "cells": runs[0]["cells"],
-                         "parameters": runs[0]["parameters"], "active": runs[0]["active"]})
+                         "parameters": runs[0]["parameters"], "active": runs[0]["active"],
+                         "engaged_at": runs[0]["engaged_at"]})
             print(f"{model:6} {label:58} {statistics.median(seconds):8.3f} s   runs "
                   + "/".join(f"{s:.3f}" for s in seconds), flush=True)
         results[model] = rows
         floor = next((r for r in rows if r["variant"] == "floor"), None)
         if floor:
-            print(f"{model}: {rows[0]['cells']} cells, {rows[0]['parameters']} parameters")
+            engaged = next((r["engaged_at"] for r in rows if r["variant"] == "patched"), None)
+            print(f"{model}: {rows[0]['cells']} cells, {rows[0]['parameters']} parameters; techniques engaged "
+                  + (f"at cell {engaged}" if engaged is not None else "never (fewer cells than the start)"))
             for r in rows:
                 print(f"  {r['label']:58} {r['median_seconds']:8.3f} s  {r['median_seconds'] / floor['median_seconds']:5.2f}x floor")
     if args.json:

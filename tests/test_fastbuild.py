@@ -248,6 +248,8 @@ with cpu_kernel_fallbacks():
         assert_same_model(reference, accelerated)
         out["loaded_same"] = True
         out["leftovers_after_load"] = fastbuild.leftovers()
+        out["report_from"] = ms_loadpatch.last_report().fast_construction_from
+        out["summary"] = ms_loadpatch.last_report().summary()
 print("RESULT " + json.dumps(out))
 """
 
@@ -262,12 +264,14 @@ def _start_child(python_proc, start, *args):
     return json.loads(lines[-1][len("RESULT "):])
 
 
-def test_default_start_builds_a_small_model_plainly(python_proc):
-    """Unset, a model of fewer cells than DEFAULT_START never runs the probes nor installs a technique."""
-    out = _start_child(python_proc, None)
+def test_default_start_builds_a_small_model_plainly(python_proc, checkpoints):
+    """Unset, a model of fewer cells than DEFAULT_START never runs the probes
+    nor installs a technique, built or loaded; the load report says so."""
+    out = _start_child(python_proc, None, checkpoints["mixtral"][1])
     assert out["start"] == fastbuild.DEFAULT_START and out["cells"] < fastbuild.DEFAULT_START
     assert out["probed"] == {} and out["engaged_at"] is None and out["cloned"] == 0
     assert out["same_state"] is True and out["leftovers"] == []
+    assert out["loaded_same"] and out["report_from"] is None and "fast construction" not in out["summary"]
 
 
 def test_techniques_engage_mid_build_same_model(python_proc, checkpoints):
@@ -281,6 +285,7 @@ def test_techniques_engage_mid_build_same_model(python_proc, checkpoints):
     assert out["cloned"] > 0  # experts after the start were copied
     assert out["same_state"] is True, out["same_state"]
     assert out["loaded_same"] and out["leftovers"] == [] and out["leftovers_after_load"] == []
+    assert out["report_from"] == 40 and "fast construction from cell 40" in out["summary"]
 
 
 def test_bad_start_value_is_ignored(monkeypatch, caplog):
@@ -377,7 +382,9 @@ def test_transformers_same_objects(checkpoints, arch):
     with ms_loadpatch.disabled():
         reference = cls.from_pretrained(path)
     fast = _loaded(cls, path)
+    assert context.last_report().fast_construction_from == 0  # the suite's start: the first cell
     plain = _loaded(cls, path, off="all")
+    assert context.last_report().fast_construction_from is None
     assert_same_state(plain, fast)
     assert_same_model(reference, fast)
     assert [n for n, _ in reference.cells_and_names()] == [n for n, _ in fast.cells_and_names()]
@@ -479,7 +486,9 @@ def test_diffusers_same_objects(checkpoints, arch):
         reference = cls.from_pretrained(path, mindspore_dtype=ms.bfloat16)
     fast = _loaded(cls, path, mindspore_dtype=ms.bfloat16)
     assert context.last_report().library == "diffusers"
+    assert context.last_report().fast_construction_from == 0  # the suite's start: the first cell
     plain = _loaded(cls, path, off="all", mindspore_dtype=ms.bfloat16)
+    assert context.last_report().fast_construction_from is None  # every technique off: built plainly
     assert_same_state(plain, fast)
     assert_same_model(reference, fast)
 

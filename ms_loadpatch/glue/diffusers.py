@@ -324,8 +324,11 @@ def _locked(manager):
 
 @contextlib.contextmanager
 def _timed_construction(ctx):
-    with ctx.report.phase("construct"), lazy_construction():
-        yield
+    try:
+        with ctx.report.phase("construct"), lazy_construction():
+            yield
+    finally:
+        ctx.report.note_construction()
 
 
 def _local_checkpoint_files(args, kwargs) -> list[str]:

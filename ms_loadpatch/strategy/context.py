@@ -32,6 +32,7 @@ class LoadReport:
         self.local_ranks = 1  # ranks of a distributed job on this node (strategy/ranks.py)
         self.rank = None
         self.technique = ""
+        self.fast_construction_from = None  # the cell where fast construction engaged (None: built plainly)
         self.total = 0.0
 
     @contextlib.contextmanager
@@ -41,6 +42,14 @@ class LoadReport:
             yield
         finally:
             self.phases[name] = self.phases.get(name, 0.0) + time.perf_counter() - start
+
+    def note_construction(self) -> None:
+        """After the construction window closed: where its fast paths engaged
+        (only a window of its own: a nested load's belongs to the outer one)."""
+        from . import fastbuild
+
+        if not fastbuild.window_open():
+            self.fast_construction_from = fastbuild.engaged_at
 
     def as_dict(self) -> dict:
         return {k: v for k, v in vars(self).items()}
@@ -52,8 +61,12 @@ class LoadReport:
             f"{self.tensors_read} tensors read from {self.shards} file(s) with {self.read_workers} worker(s) "
             f"of up to {self.read_threads} thread(s){self._rank_text()}, "
             f"{self.tensors_assigned} assigned, {self.tensors_cast} cast, {self.cells_reinitialised} cells "
-            f"initialised for missing weights; technique: {self.technique}"
+            f"initialised for missing weights; technique: {self.technique}{self._construction_text()}"
         )
+
+    def _construction_text(self) -> str:
+        start = self.fast_construction_from
+        return "" if start is None else f", fast construction from cell {start}"
 
     def _rank_text(self) -> str:
         if self.local_ranks == 1 and self.rank is None:
@@ -133,6 +146,7 @@ class LoadContext:
         if self.constructing:
             self.constructing = False
             self.exit_stack.close()
+            self.report.note_construction()
 
 
 def current() -> LoadContext | None:

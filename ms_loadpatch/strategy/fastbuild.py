@@ -47,6 +47,10 @@ engaged_at: int | None = None
 _state_lock = threading.Lock()
 
 
+def window_open() -> bool:
+    return _depth > 0
+
+
 def _building() -> bool:
     return _builder == threading.get_ident()
 

@@ -465,7 +465,10 @@ def format_table(results: dict, title: str | None = None) -> str:
                      f"{report.get('tensors_assigned')} assigned, "
                      f"{report.get('tensors_cast')} cast, {report.get('cells_reinitialised')} cells initialised "
                      "for missing weights")
-        lines.append(f"  technique: {report.get('technique')}")
+        start = report.get("fast_construction_from")
+        lines.append(f"  technique: {report.get('technique')}"
+                     + (f", fast construction from cell {start}" if start is not None else
+                        " (cells built plainly)"))
     else:
         lines.append("  patched load: no load report (mindone's own path ran, e.g. a class that overrides its loading)")
         for key, label in (("construct_seconds", "construct floor"), ("read_seconds", "read floor")):
