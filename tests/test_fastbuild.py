@@ -242,6 +242,10 @@ with cpu_kernel_fallbacks():
         plain = mt.MixtralForCausalLM(config())
     expected, actual = fastbuild.model_state(plain), fastbuild.model_state(fast)
     out["same_state"] = expected == actual or fastbuild._first_difference(expected, actual)
+    with lazy_construction(fast=True):
+        mt.MixtralForCausalLM(config())
+    fastbuild.technique_status()  # runs the probes now if the build did not
+    out["engaged_after_probes"] = fastbuild.engaged_at
     if sys.argv[1:]:  # and a load from the checkpoint, against an unpatched one
         cls = mt.MixtralForCausalLM
         reference, accelerated = load_both(lambda: cls.from_pretrained(sys.argv[1]))
@@ -270,6 +274,7 @@ def test_default_start_builds_a_small_model_plainly(python_proc, checkpoints):
     out = _start_child(python_proc, None, checkpoints["mixtral"][1])
     assert out["start"] == fastbuild.DEFAULT_START and out["cells"] < fastbuild.DEFAULT_START
     assert out["probed"] == {} and out["engaged_at"] is None and out["cloned"] == 0
+    assert out["engaged_after_probes"] is None  # the probes' own windows do not count as the build's
     assert out["same_state"] is True and out["leftovers"] == []
     assert out["loaded_same"] and out["report_from"] is None and "fast construction" not in out["summary"]
 
@@ -281,7 +286,7 @@ def test_techniques_engage_mid_build_same_model(python_proc, checkpoints):
     out = _start_child(python_proc, 40, checkpoints["mixtral"][1])
     assert out["start"] == 40 and out["cells"] > 40
     assert out["probed"] and all(reason is None for reason in out["probed"].values()), out["probed"]
-    assert out["engaged_at"] == 40
+    assert out["engaged_at"] == 40 and out["engaged_after_probes"] == 40
     assert out["cloned"] > 0  # experts after the start were copied
     assert out["same_state"] is True, out["same_state"]
     assert out["loaded_same"] and out["leftovers"] == [] and out["leftovers_after_load"] == []

@@ -1045,7 +1045,7 @@ def _build_probe(techniques=()):
     with CONSTRUCTION_LOCK, lazy_construction(fast=False), \
             (contextlib.nullcontext() if any(isinstance(t, GcPause) for t in techniques) else _no_cyclic_collection()):
         before = _registries()
-        with _window(lambda: list(techniques)):
+        with _window(lambda: list(techniques), record=False):
             model = _probe_model()
         after = _registries()
     registered = _compile_cache_entries(model)
@@ -1298,10 +1298,11 @@ def _install_chosen(choose, installed) -> bool:
 
 
 @contextlib.contextmanager
-def _window(choose, start: int = 0):
+def _window(choose, start: int = 0, record: bool = True):
     """Open the building thread's window (outermost call only; the caller
     holds CONSTRUCTION_LOCK): `choose()` gives the techniques, installed at
-    once when `start` is 0, else once the build has made `start` cells."""
+    once when `start` is 0, else once the build has made `start` cells.
+    `record`: the window sets `engaged_at` (the probes' windows do not)."""
     global _builder, _depth, engaged_at
     if _depth:
         if _builder != threading.get_ident():  # cannot happen under the lock; never share a window
@@ -1316,11 +1317,12 @@ def _window(choose, start: int = 0):
     try:
         _builder = threading.get_ident()
         _depth = 1
-        engaged_at = None
+        if record:
+            engaged_at = None
         if start > 0:
             counter = _StartCounter(start, lambda: _install_chosen(choose, installed))
             counter.install()
-        elif _install_chosen(choose, installed):
+        elif _install_chosen(choose, installed) and record:
             engaged_at = 0
         yield
     finally:
