@@ -18,6 +18,7 @@ Faults and threads: tests/test_faults_concurrency.py.
 """
 
 import contextlib
+import json
 import os
 
 import mindspore as ms
@@ -263,8 +264,6 @@ def _start_child(python_proc, start, *args):
     proc = python_proc(["-c", _START_CHILD, *args], env_extra=env, env_drop=(fastbuild.START_ENV_VAR,))
     lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
     assert proc.returncode == 0 and lines, proc.stderr[-4000:]
-    import json
-
     return json.loads(lines[-1][len("RESULT "):])
 
 

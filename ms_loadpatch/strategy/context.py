@@ -8,6 +8,7 @@ import threading
 import time
 
 from ..activation import env_flag
+from . import fastbuild
 
 logger = logging.getLogger("ms_loadpatch.report")
 REPORT_ENV_VAR = "MS_LOADPATCH_REPORT"
@@ -46,8 +47,6 @@ class LoadReport:
     def note_construction(self) -> None:
         """After the construction window closed: where its fast paths engaged
         (only a window of its own: a nested load's belongs to the outer one)."""
-        from . import fastbuild
-
         if not fastbuild.window_open():
             self.fast_construction_from = fastbuild.engaged_at
 

@@ -1240,8 +1240,9 @@ class _StartCounter:
     """Counts the cells the building thread makes (a pass-through wrapper of
     nn.Cell.__init__) and, at the `start`-th, takes itself out and calls
     `reached()`, which runs the probes (once per process) and installs the
-    techniques for the rest of the build (True when it installed any). A model of few cells is built
-    plainly: the probes cost more than the techniques would save."""
+    techniques for the rest of the build (True when it installed any). A
+    model of few cells is built plainly: the probes cost more than the
+    techniques would save it."""
 
     def __init__(self, start, reached):
         from mindspore import nn
