@@ -391,3 +391,26 @@ def test_no_weights(checkpoints, tmp_path, library):
 
     directory, _, _ = _broken_copy(checkpoints, tmp_path, f"{library}-single", remove_all)
     _assert_same_failure(library, directory, OSError, directory)  # no file: the directory
+
+
+class _HookedQwen2(mt.Qwen2ForCausalLM):
+    """Registers a load_state_dict hook while it is built (no mindone model does)."""
+
+    def __init__(self, config):
+        super().__init__(config)
+        self.model.norm.register_load_state_dict_post_hook(lambda cell, keys: None)
+
+
+def test_load_state_dict_hooks_are_refused_not_skipped(checkpoints):
+    """An unpatched load runs a cell's load_state_dict hooks; the accelerated
+    one does not, so it refuses such a model with an error naming the cell,
+    and leaves nothing behind."""
+    before = process_state()
+    error = raised(lambda: _HookedQwen2.from_pretrained(checkpoints / "tf-sharded"))
+    assert isinstance(error, RuntimeError)
+    assert "'model.norm'" in str(error) and "load_state_dict_post_hooks" in str(error)
+    assert "ms_loadpatch.disabled()" in str(error)
+    assert_state_restored(before)
+    with ms_loadpatch.disabled():
+        reference = _HookedQwen2.from_pretrained(checkpoints / "tf-sharded")
+    assert_same_model(reference, mt.Qwen2ForCausalLM.from_pretrained(checkpoints / "tf-sharded"))

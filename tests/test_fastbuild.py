@@ -78,9 +78,15 @@ def techniques_off(value="all"):
             os.environ[fastbuild.ENV_VAR] = saved
 
 
-def assert_same_state(expected_model, actual_model):
-    expected, actual = fastbuild.model_state(expected_model), fastbuild.model_state(actual_model)
+def assert_same_state(expected_model, actual_model, skip=()):
+    skip = (fastbuild.CellInitTemplate.PER_INSTANCE_TIME,) + tuple(skip)
+    expected, actual = fastbuild.model_state(expected_model, skip), fastbuild.model_state(actual_model, skip)
     assert expected == actual, fastbuild._first_difference(expected, actual)
+
+
+# nn.Embedding keeps the initializer of its table as `init_tensor`: an
+# unpatched build draws it, a lazy one never does (README, "What differs")
+NEVER_DRAWN = ("init_tensor",)
 
 
 @pytest.fixture(scope="module")
@@ -384,12 +390,13 @@ def _loaded(cls, path, off=None, **kwargs):
 def test_transformers_same_objects(checkpoints, arch):
     cls, path = checkpoints[arch]
     with ms_loadpatch.disabled():
-        reference = cls.from_pretrained(path)
+        reference = _loaded(cls, path)
     fast = _loaded(cls, path)
     assert context.last_report().fast_construction_from == 0  # the suite's start: the first cell
     plain = _loaded(cls, path, off="all")
     assert context.last_report().fast_construction_from is None
     assert_same_state(plain, fast)
+    assert_same_state(reference, fast, skip=NEVER_DRAWN)
     assert_same_model(reference, fast)
     assert [n for n, _ in reference.cells_and_names()] == [n for n, _ in fast.cells_and_names()]
     assert {n: p.name for n, p in reference.parameters_and_names()} == {n: p.name for n, p in fast.parameters_and_names()}
@@ -487,13 +494,14 @@ def test_transformers_from_config_same_objects():
 def test_diffusers_same_objects(checkpoints, arch):
     cls, path = checkpoints[arch]
     with ms_loadpatch.disabled():
-        reference = cls.from_pretrained(path, mindspore_dtype=ms.bfloat16)
+        reference = _loaded(cls, path, mindspore_dtype=ms.bfloat16)
     fast = _loaded(cls, path, mindspore_dtype=ms.bfloat16)
     assert context.last_report().library == "diffusers"
     assert context.last_report().fast_construction_from == 0  # the suite's start: the first cell
     plain = _loaded(cls, path, off="all", mindspore_dtype=ms.bfloat16)
     assert context.last_report().fast_construction_from is None  # every technique off: built plainly
     assert_same_state(plain, fast)
+    assert_same_state(reference, fast)
     assert_same_model(reference, fast)
 
 

@@ -20,6 +20,7 @@ from safetensors.numpy import load_file, save_file
 
 import mindone.transformers as mt
 import ms_loadpatch
+from ms_loadpatch.strategy import fastbuild
 from ms_loadpatch.strategy.context import last_report
 from ms_loadpatch.testing import assert_same_model, compare, cpu_kernel_fallbacks, load_both, snapshot
 
@@ -247,3 +248,32 @@ def test_from_config_uses_fast_cast(checkpoints):
     model = mt.LlamaForCausalLM._from_config(config, dtype=ms.bfloat16)
     assert {p.dtype for p in model.get_parameters()} == {ms.bfloat16}
     assert not any(p.has_init for p in model.get_parameters())
+
+
+def test_one_state_dict_walk_per_load(checkpoints, monkeypatch):
+    """mindone's missing-key check and the key conversion share one
+    model.state_dict() walk; the cells are left as an unpatched load leaves
+    them (mindspore makes its hook dicts on first read)."""
+    walks = []
+    state_dict = ms.nn.Cell.state_dict
+
+    def counting(self, *args, **kwargs):
+        if not args and kwargs.get("destination") is None:  # not the recursion into child cells
+            walks.append(type(self).__name__)
+        return state_dict(self, *args, **kwargs)
+
+    monkeypatch.setattr(ms.nn.Cell, "state_dict", counting)
+    path = checkpoints["qwen2"]["fp32-sharded"]
+    shards = len([f for f in os.listdir(path) if f.endswith(".safetensors")])
+    assert shards > 1
+    with ms_loadpatch.disabled():
+        ref, ref_info = _load(mt.Qwen2ForCausalLM, path)
+    assert walks == ["Qwen2ForCausalLM"] * (1 + shards)  # the key check, then one per shard
+    walks.clear()
+    acc, acc_info = _load(mt.Qwen2ForCausalLM, path)
+    assert last_report().tensors_assigned > 0
+    assert walks == ["Qwen2ForCausalLM"]
+    assert acc_info == ref_info
+    assert_same_model(ref, acc)
+    skip = ("_create_time", "init_tensor")  # per instance; an initializer a lazy build never draws
+    assert fastbuild.model_state(acc, skip) == fastbuild.model_state(ref, skip)

@@ -97,11 +97,32 @@ def state_index(root):
         for attr, param in cell._params.items():
             if param is not None:
                 index[prefix + attr] = ("param", cell, attr, param)
+        if not cell._buffers:
+            continue  # mindspore creates _non_persistent_buffers_set on first read: not for nothing
         non_persistent = cell._non_persistent_buffers_set
         for attr, buffer in cell._buffers.items():
             if buffer is not None and attr not in non_persistent:
                 index[prefix + attr] = ("buffer", cell, attr, buffer)
     return index
+
+
+# what Cell.load_state_dict reads on every cell; mindspore creates these lazily
+_LOAD_HOOKS = ("_load_state_dict_pre_hooks", "_load_state_dict_post_hooks")
+
+
+def as_load_state_dict_leaves_it(root) -> None:
+    """Read on every cell what mindspore's Cell.load_state_dict reads, so the
+    cells' `__dict__` is as an unpatched load leaves it (mindspore makes the
+    hook dicts on first read). The hooks themselves are not run: a cell with
+    one is refused, naming the cell, rather than loaded differently."""
+    for name, cell, _ in walk_cells(root):
+        for attr in _LOAD_HOOKS:
+            hooks = getattr(cell, attr, None)
+            if hooks:
+                raise RuntimeError(
+                    f"ms_loadpatch: cell '{name.rstrip('.') or type(cell).__name__}' "
+                    f"({type(cell).__name__}) has {attr[1:]} registered, which the accelerated load does not run; "
+                    "load this model with ms_loadpatch.disabled()")
 
 
 def initialize_unloaded(root, loaded: dict, initialize_for):
