@@ -40,7 +40,7 @@ from . import file_named, overridden_method
 from ..strategy import context
 from ..strategy.assign import cast_parameters
 from ..strategy.construct import CONSTRUCTION_LOCK, lazy_construction
-from ..strategy.fastbuild import fast_construction
+from ..strategy.fastbuild import collection_paused_for_load, fast_construction
 from ..strategy.prefetch import local_checkpoint_files, start_prefetch, take_or_read
 from ..strategy.reader import CheckpointError, read_arrays
 from ..strategy.tensors import cast, to_tensor
@@ -105,7 +105,7 @@ def from_pretrained(wrapped, instance, args, kwargs):
 def _accelerated_from_pretrained(wrapped, instance, args, kwargs):
     report = context.LoadReport(instance.__name__, _LIBRARY)
     report.technique = _TECHNIQUE
-    with context.activate(report) as ctx:
+    with context.activate(report) as ctx, collection_paused_for_load() as report.gc_paused:
         start_prefetch(ctx, _local_checkpoint_files(args, kwargs))  # closed with the load context
         result = wrapped(*args, **kwargs)
         model = result[0] if isinstance(result, tuple) else result

@@ -26,7 +26,7 @@ from ..strategy import context
 from ..strategy.assign import assign, cast_parameters, cell_to_keeping_lazy, check_and_pair
 from ..strategy.construct import (CONSTRUCTION_LOCK, as_load_state_dict_leaves_it, initialize_unloaded,
                                   lazy_construction, state_index)
-from ..strategy.fastbuild import fast_construction
+from ..strategy.fastbuild import collection_paused_for_load, fast_construction
 from ..strategy.prefetch import local_checkpoint_files, start_prefetch, take_or_read
 from ..strategy.reader import CheckpointError, named_safetensors_error
 from ..strategy.tensors import to_tensor
@@ -67,7 +67,7 @@ def _accelerated_from_pretrained(wrapped, instance, args, kwargs):
     report = context.LoadReport(instance.__name__, "transformers")
     report.technique = "lazy construction, set_data from owned read buffer, set_dtype cast"
     try:
-        with context.activate(report) as ctx:
+        with context.activate(report) as ctx, collection_paused_for_load() as report.gc_paused:
             start_prefetch(ctx, _local_checkpoint_files(args, kwargs))
             result = wrapped(*args, **kwargs)
             if not ctx.cache.get("load_done"):

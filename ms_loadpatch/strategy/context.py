@@ -34,6 +34,7 @@ class LoadReport:
         self.rank = None
         self.technique = ""
         self.fast_construction_from = None  # the cell where fast construction engaged (None: built plainly)
+        self.gc_paused = False  # cyclic garbage collection paused for the whole load (gc-pause)
         self.total = 0.0
 
     @contextlib.contextmanager
@@ -65,7 +66,8 @@ class LoadReport:
 
     def _construction_text(self) -> str:
         start = self.fast_construction_from
-        return "" if start is None else f", fast construction from cell {start}"
+        text = "" if start is None else f", fast construction from cell {start}"
+        return text + (", gc paused" if self.gc_paused else "")
 
     def _rank_text(self) -> str:
         if self.local_ranks == 1 and self.rank is None:

@@ -468,7 +468,8 @@ def format_table(results: dict, title: str | None = None) -> str:
         start = report.get("fast_construction_from")
         lines.append(f"  technique: {report.get('technique')}"
                      + (f", fast construction from cell {start}" if start is not None else
-                        " (cells built plainly)"))
+                        " (cells built plainly)")
+                     + (", gc paused" if report.get("gc_paused") else ""))
     else:
         lines.append("  patched load: no load report (mindone's own path ran, e.g. a class that overrides its loading)")
         for key, label in (("construct_seconds", "construct floor"), ("read_seconds", "read floor")):
