@@ -275,5 +275,43 @@ def test_one_state_dict_walk_per_load(checkpoints, monkeypatch):
     assert walks == ["Qwen2ForCausalLM"]
     assert acc_info == ref_info
     assert_same_model(ref, acc)
-    skip = ("_create_time", "init_tensor")  # per instance; an initializer a lazy build never draws
+    skip = (fastbuild.CellInitTemplate.PER_INSTANCE_TIME, "init_tensor")  # per instance; never drawn lazily (README)
+    assert fastbuild.model_state(acc, skip) == fastbuild.model_state(ref, skip)
+
+
+class _LateCellQwen2(mt.Qwen2ForCausalLM):
+    """Adds a cell after post_init: its init pass never visits it, so the cell
+    keeps its own initializer (ones / zeros here, not Qwen2's `_init_weights`
+    normal draw) and gets no `_is_hf_initialized`."""
+
+    def __init__(self, config):
+        super().__init__(config)
+        self.late = ms.nn.Dense(4, 4, weight_init="ones", bias_init="zeros")
+
+
+class _NoPostInitQwen2(mt.Qwen2ForCausalLM):
+    """A model that never reaches post_init itself: only the inner
+    Qwen2Model's init pass runs; its own cells keep their initializers."""
+
+    def __init__(self, config):
+        super(mt.Qwen2ForCausalLM, self).__init__(config)  # skips Qwen2ForCausalLM.__init__ and its post_init
+        self.model = mt.Qwen2Model(config)
+        self.vocab_size = config.vocab_size
+        self.lm_head = ms.nn.Dense(config.hidden_size, config.vocab_size, has_bias=False, weight_init="ones")
+        self.extra = ms.nn.Dense(4, 4, weight_init="ones", bias_init="zeros")
+
+
+@pytest.mark.parametrize("cls", [_LateCellQwen2, _NoPostInitQwen2], ids=["late-cell", "no-post-init"])
+def test_cells_no_init_pass_visited_left_as_unpatched(checkpoints, cls):
+    """Weights the checkpoint lacks, in cells post_init's init pass never
+    visited, get their own initializers' values (bit-identical to an
+    unpatched load), and the cells' state is the unpatched one."""
+    path = checkpoints["qwen2"]["fp32"]
+    with ms_loadpatch.disabled():
+        ref, ref_info = _load(cls, path)
+    acc, acc_info = _load(cls, path)
+    assert last_report().tensors_assigned > 0 and last_report().cells_reinitialised == 0
+    assert acc_info == ref_info and ref_info["missing_keys"]
+    assert_same_model(ref, acc)
+    skip = (fastbuild.CellInitTemplate.PER_INSTANCE_TIME, "init_tensor")
     assert fastbuild.model_state(acc, skip) == fastbuild.model_state(ref, skip)
