@@ -206,6 +206,10 @@ def _technique_rows() -> list[dict]:
     construction_ok = next(r["state"] for r in rows if r["name"] == "lazy-construction") == "active"
     start = fastbuild.start_after_cells()
     when = f"construction from a build's cell {start}" if start else "construction"
+    if construction_ok:
+        from .strategy import castread
+
+        rows.append(castread.technique_status())
     for row in fastbuild.technique_status() if construction_ok else ():
         rows.append({"name": row["name"], "libraries": list(versions.LIBRARIES),
                      "description": f"{when}: {row['description']}", "state": row["state"],

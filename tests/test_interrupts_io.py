@@ -104,11 +104,11 @@ def _interrupt_at(point, library, monkeypatch, interrupt, slow_read_seconds=0.5)
         if library == "tf":
             real_assign = tf_glue.assign
 
-            def assign(pairs, loaded, report):
+            def assign(pairs, loaded, report, cast_at_read=None):
                 pairs = list(pairs)
-                real_assign(pairs[: len(pairs) // 2], loaded, report)
+                real_assign(pairs[: len(pairs) // 2], loaded, report, cast_at_read)
                 interrupt.hit()
-                real_assign(pairs[len(pairs) // 2 :], loaded, report)
+                real_assign(pairs[len(pairs) // 2 :], loaded, report, cast_at_read)
 
             monkeypatch.setattr(tf_glue, "assign", assign)
         else:

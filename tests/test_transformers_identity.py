@@ -315,3 +315,54 @@ def test_cells_no_init_pass_visited_left_as_unpatched(checkpoints, cls):
     assert_same_model(ref, acc)
     skip = (fastbuild.CellInitTemplate.PER_INSTANCE_TIME, "init_tensor")
     assert fastbuild.model_state(acc, skip) == fastbuild.model_state(ref, skip)
+
+
+class _StrictFp32Qwen2(mt.Qwen2ForCausalLM):
+    """Keeps its MLPs in fp32 when loaded as bf16: the cast guessed while
+    reading (bf16) does not fit them."""
+
+    _keep_in_fp32_modules_strict = ["mlp"]
+
+
+class _FloatBufferQwen2(mt.Qwen2ForCausalLM):
+    """A persistent float buffer, written to the checkpoint by the test
+    (save_pretrained leaves buffers out): Cell.load_state_dict copies
+    buffers its own way, from the file's values."""
+
+    def __init__(self, config):
+        super().__init__(config)
+        self.register_buffer("scale", ms.Tensor(np.linspace(-3, 3, 8).astype(np.float32) / 7))
+
+
+class _Conv1dQwen2(mt.Qwen2ForCausalLM):
+    """An nn.Conv1d, whose weight mindone's key mapping reshapes (expand_dims),
+    written by the test as a torch checkpoint holds it (out, in, kernel)."""
+
+    def __init__(self, config):
+        super().__init__(config)
+        self.conv = ms.nn.Conv1d(4, 4, 3, has_bias=True, weight_init="normal", bias_init="normal")
+
+
+@pytest.mark.parametrize("cls", [_StrictFp32Qwen2, _FloatBufferQwen2, _Conv1dQwen2],
+                         ids=["keep-fp32-strict", "float-buffer", "conv1d-mapping"])
+def test_cast_while_reading_gives_way_to_the_file_values(tmp_path, cls):
+    """A load asked for bf16 casts fp32 tensors to bf16 while reading them.
+    Where that guess does not fit (a parameter kept in fp32, a buffer, a
+    tensor a key mapping transforms) the file's values are read again and go
+    mindone's way: bit-identical to an unpatched load, same cells' state."""
+    with cpu_kernel_fallbacks():
+        ms.set_seed(0)
+        cls(ARCHS["qwen2"][1]()).save_pretrained(str(tmp_path))
+    path = str(tmp_path / "model.safetensors")
+    tensors = load_file(path)
+    if cls is _FloatBufferQwen2:
+        assert "scale" not in tensors
+        tensors["scale"] = np.linspace(5, -5, 8).astype(np.float32) / 3
+    if cls is _Conv1dQwen2:
+        tensors["conv.weight"] = tensors["conv.weight"].squeeze(-2)
+    save_file(tensors, path, metadata={"format": "np"})
+    ref, acc, report = _assert_identical_loads(cls, str(tmp_path), mindspore_dtype=ms.bfloat16)
+    assert report.tensors_cast_while_reading > 0 and report.tensors_read_again > 0, report.summary()
+    assert "while reading" in report.technique
+    skip = (fastbuild.CellInitTemplate.PER_INSTANCE_TIME, "init_tensor")
+    assert fastbuild.model_state(acc, skip) == fastbuild.model_state(ref, skip)

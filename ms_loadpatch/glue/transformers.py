@@ -24,6 +24,7 @@ from .. import core
 from . import file_named, naming_the_file, overridden_method
 from ..strategy import context
 from ..strategy.assign import assign, cast_parameters, cell_to_keeping_lazy, check_and_pair
+from ..strategy.castread import CastPlan
 from ..strategy.construct import (CONSTRUCTION_LOCK, as_load_state_dict_leaves_it, initialize_unloaded,
                                   lazy_construction, state_index)
 from ..strategy.fastbuild import collection_paused_for_load, fast_construction
@@ -68,7 +69,12 @@ def _accelerated_from_pretrained(wrapped, instance, args, kwargs):
     report.technique = "lazy construction, set_data from owned read buffer, set_dtype cast"
     try:
         with context.activate(report) as ctx, collection_paused_for_load() as report.gc_paused:
-            start_prefetch(ctx, _local_checkpoint_files(args, kwargs))
+            # mindone's own precedence: `dtype`, then the deprecated `mindspore_dtype`
+            requested = kwargs.get("dtype") if kwargs.get("dtype") is not None else kwargs.get("mindspore_dtype")
+            plan = CastPlan.for_dtype(requested)
+            if plan is not None:
+                report.technique += f", cast to {plan.target} while reading"
+            start_prefetch(ctx, _local_checkpoint_files(args, kwargs), plan)
             result = wrapped(*args, **kwargs)
             if not ctx.cache.get("load_done"):
                 model = result[0] if isinstance(result, tuple) else result
@@ -169,7 +175,7 @@ def load_state_dict(wrapped, instance, args, kwargs):
         return wrapped(*args, **kwargs)  # not a format the fast reader knows: mindone decides
     ctx = context.current()
     with (ctx.report.phase("read") if ctx else contextlib.nullcontext()):
-        arrays, metadata = take_or_read(ctx, checkpoint_file)
+        arrays, metadata, cast_at_read = take_or_read(ctx, checkpoint_file)
     if metadata is not None and metadata.get("format") not in _SAFE_METADATA_FORMATS:
         raise OSError(
             f"The safetensors archive passed at {checkpoint_file} does not contain the valid metadata. Make sure "
@@ -181,7 +187,11 @@ def load_state_dict(wrapped, instance, args, kwargs):
     ctx.report.shards += 1
     ctx.cache["last_file"] = os.fspath(checkpoint_file)  # named in a shape-mismatch error
     ctx.cache.setdefault("keys_read", set()).update(arrays)  # checked against the index
-    return {name: to_tensor(array) for name, array in arrays.items()}
+    tensors = {name: to_tensor(array) for name, array in arrays.items()}
+    registry = ctx.cache.setdefault("cast_at_read", {})
+    for name, origin in cast_at_read.items():
+        registry[id(tensors[name])] = (tensors[name], origin)  # the object too: ids are reused
+    return tensors
 
 
 # -- internals of mindone's loading path (targets.TARGETS, "internal" rows)
@@ -283,13 +293,30 @@ def convert_state_dict(wrapped, instance, args, kwargs):
                 name_ms, mapping = mappings.get(name_pt, identity)
                 name_ms = name_pt if mapping is None else name_ms
             if mapping is not None:
-                try:
-                    data_pt = mapping(data_pt)
-                except AttributeError:  # Conv1d mappings read `.name`, which only a Parameter has
-                    data_pt = mapping(ms.Parameter(data_pt, name=name_pt))
+                mapped = _mapped(mapping, data_pt, name_pt)
+                if mapped is not data_pt:  # transformed (Conv1d): from the file's values, as unpatched
+                    in_file = _as_in_file(ctx, data_pt)
+                    mapped = mapped if in_file is data_pt else _mapped(mapping, in_file, name_pt)
+                data_pt = mapped
             if name_ms is not None:
                 converted[name_ms] = data_pt
     return converted
+
+
+def _mapped(mapping, tensor, name):
+    try:
+        return mapping(tensor)
+    except AttributeError:  # Conv1d mappings read `.name`, which only a Parameter has
+        return mapping(ms.Parameter(tensor, name=name))
+
+
+def _as_in_file(ctx, tensor):
+    """`tensor` with the file's values: read again if it was cast while reading."""
+    entry = ctx.cache.get("cast_at_read", {}).pop(id(tensor), None)
+    if entry is None or entry[0] is not tensor:
+        return tensor
+    ctx.report.tensors_read_again += 1
+    return to_tensor(entry[1].original())
 
 
 def load_state_dict_into_model(wrapped, instance, args, kwargs):
@@ -309,8 +336,13 @@ def load_state_dict_into_model(wrapped, instance, args, kwargs):
             if "last_file" not in ctx.cache:
                 raise
             raise RuntimeError(f"{exc}\n\t(checkpoint file: {ctx.cache['last_file']})") from None
-        with file_named(ctx.cache.get("last_file")):
-            assign(pairs, ctx.loaded, ctx.report)
+        registry = ctx.cache.get("cast_at_read")
+        try:
+            with file_named(ctx.cache.get("last_file")):
+                assign(pairs, ctx.loaded, ctx.report, registry)
+        finally:
+            if registry:
+                registry.clear()  # tensors mindone dropped (unexpected keys) are freed
         if len(start_prefix) > 0:
             for name, param in model_to_load.parameters_and_names():
                 param.name = name

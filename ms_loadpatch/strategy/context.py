@@ -26,6 +26,8 @@ class LoadReport:
         self.tensors_read = 0
         self.tensors_assigned = 0
         self.tensors_cast = 0
+        self.tensors_cast_while_reading = 0  # of tensors_cast: cast as they were read (castread)
+        self.tensors_read_again = 0  # cast while reading, but their parameter needed the file's values
         self.cells_reinitialised = 0
         self.shards = 0
         self.read_workers = 1  # files read at once (HF_ENABLE_PARALLEL_LOADING)
@@ -60,9 +62,14 @@ class LoadReport:
             f"{self.library} {self.model_class}: {self.total:.3f}s ({phases}); "
             f"{self.tensors_read} tensors read from {self.shards} file(s) with {self.read_workers} worker(s) "
             f"of up to {self.read_threads} thread(s){self._rank_text()}, "
-            f"{self.tensors_assigned} assigned, {self.tensors_cast} cast, {self.cells_reinitialised} cells "
+            f"{self.tensors_assigned} assigned, {self.tensors_cast} cast{self._cast_text()}, {self.cells_reinitialised} cells "
             f"initialised for missing weights; technique: {self.technique}{self._construction_text()}"
         )
+
+    def _cast_text(self) -> str:
+        if not self.tensors_cast_while_reading and not self.tensors_read_again:
+            return ""
+        return f" ({self.tensors_cast_while_reading} while reading, {self.tensors_read_again} read again)"
 
     def _construction_text(self) -> str:
         start = self.fast_construction_from

@@ -15,6 +15,7 @@ import threading
 
 from ..activation import env_flag
 from .ranks import node_share
+from .castread import Staging, read_cast
 from .reader import ReadStopped, background_read_threads, join_or_leave, read_arrays, read_threads
 
 
@@ -47,7 +48,8 @@ class Prefetcher:
     not hold up the interpreter's exit), at most `ahead` files held at once.
     close() stops them: each read checks between parts of READ_STEP_BYTES."""
 
-    def __init__(self, paths, workers: int = 1, ahead: int | None = None):
+    def __init__(self, paths, workers: int = 1, ahead: int | None = None, cast_plan=None):
+        self._cast_plan = cast_plan
         self._paths = [os.path.normpath(os.fspath(p)) for p in paths]
         self._slots = threading.Semaphore(ahead if ahead is not None else workers + 1)
         self._stop = threading.Event()
@@ -74,6 +76,7 @@ class Prefetcher:
             self._pending.clear()
 
     def _work(self):
+        staging = Staging()
         while not self._stop.is_set():
             # the slot first, then the next file: files holding slots are
             # always the next ones in order, so the file the caller waits for
@@ -90,7 +93,7 @@ class Prefetcher:
                 return
             try:
                 threads = background_read_threads() if self._caller_busy else None
-                pending.value = read_arrays(path, threads, self._stop)
+                pending.value = read_file(path, self._cast_plan, threads, self._stop, staging)
             except BaseException as exc:  # noqa: BLE001 - raised in the caller by take()
                 pending.error = exc
             finally:
@@ -101,7 +104,7 @@ class Prefetcher:
         return os.path.normpath(os.fspath(path)) in self._paths
 
     def take(self, path):
-        """(arrays, metadata) of `path`, waiting for its read; None if `path`
+        """read_file's result for `path`, waiting for its read; None if `path`
         was not prefetched or its read has not started (the caller reads it
         then). A read error is raised here, where a sequential read would
         have raised it."""
@@ -162,17 +165,27 @@ def local_checkpoint_files(candidates) -> list[str]:
     return []
 
 
-def start_prefetch(ctx, files) -> Prefetcher | None:
-    """Read `files` in background threads for the load `ctx` (closed with it);
-    HF_ENABLE_PARALLEL_LOADING, read now, sets the thread count."""
+def read_file(path, cast_plan=None, threads=None, stop=None, staging=None):
+    """(arrays, metadata, cast_at_read) of one file: castread.read_cast with
+    a plan, else reader.read_arrays (nothing cast while reading)."""
+    if cast_plan is None:
+        return (*read_arrays(path, threads, stop), {})
+    return read_cast(path, cast_plan, threads, stop, staging)
+
+
+def start_prefetch(ctx, files, cast_plan=None) -> Prefetcher | None:
+    """Read `files` in background threads for the load `ctx` (closed with it),
+    casting what `cast_plan` casts; HF_ENABLE_PARALLEL_LOADING, read now,
+    sets the thread count."""
     workers = parallel_workers()
     share = node_share()
     ctx.report.read_workers = workers
     ctx.report.read_threads = read_threads(share)
     ctx.report.local_ranks, ctx.report.rank = share.local_ranks, share.rank
+    ctx.cache["cast_plan"] = cast_plan
     if not files:
         return None
-    prefetcher = Prefetcher(files, workers=workers)
+    prefetcher = Prefetcher(files, workers=workers, cast_plan=cast_plan)
     ctx.cleanup.callback(prefetcher.close)
     prefetcher.start()
     ctx.cache["prefetcher"] = prefetcher
@@ -180,7 +193,7 @@ def start_prefetch(ctx, files) -> Prefetcher | None:
 
 
 def take_or_read(ctx, path):
-    """(arrays, metadata) of `path`: the prefetched read if there is one, else read now."""
+    """read_file's result for `path`: the prefetched read if there is one, else read now."""
     prefetcher = ctx.cache.get("prefetcher") if ctx is not None else None
     taken = prefetcher.take(os.path.normpath(os.fspath(path))) if prefetcher is not None else None
-    return taken if taken is not None else read_arrays(path)
+    return taken if taken is not None else read_file(path, ctx.cache.get("cast_plan") if ctx else None)

@@ -405,6 +405,11 @@ def _mb(n) -> str:
     return f"{n / 2**20:,.0f} MB"
 
 
+def _while_reading(report) -> str:
+    done, again = report.get("tensors_cast_while_reading") or 0, report.get("tensors_read_again") or 0
+    return f" ({done} while reading, {again} read again)" if done or again else ""
+
+
 def _s(x) -> str:
     return f"{x:.3f} s"
 
@@ -457,13 +462,16 @@ def format_table(results: dict, title: str | None = None) -> str:
             note = f"   floor: {floor_label} {_s(floor_value)}" if floor_value is not None else ""
             if name == "construct" and floor_value:
                 note += f" (patched = {seconds / floor_value:.2f}x of it)"
+            if name == "read" and report.get("tensors_cast_while_reading"):
+                note += " (the cast is done while reading)"
             lines.append(f"    {label:20}{_s(seconds):>10}{note}")
         other = pat["median_run"]["seconds"] - sum(phases.values())
         lines.append(f"    {'other':20}{_s(max(other, 0.0)):>10}   mindone's own bookkeeping, touching the weights")
         lines.append(f"  tensors: {report.get('tensors_read')} read from {report.get('shards')} file(s) with "
                      f"{report.get('read_workers')} worker(s) of up to {report.get('read_threads')} thread(s), "
                      f"{report.get('tensors_assigned')} assigned, "
-                     f"{report.get('tensors_cast')} cast, {report.get('cells_reinitialised')} cells initialised "
+                     f"{report.get('tensors_cast')} cast{_while_reading(report)}, "
+                     f"{report.get('cells_reinitialised')} cells initialised "
                      "for missing weights")
         start = report.get("fast_construction_from")
         lines.append(f"  technique: {report.get('technique')}"
