@@ -39,6 +39,7 @@ from .. import core
 from . import file_named, overridden_method
 from ..strategy import context
 from ..strategy.assign import cast_parameters
+from ..strategy.castread import CastPlan, CastRegistry
 from ..strategy.construct import CONSTRUCTION_LOCK, lazy_construction
 from ..strategy.fastbuild import collection_paused_for_load, fast_construction
 from ..strategy.prefetch import local_checkpoint_files, start_prefetch, take_or_read
@@ -106,7 +107,12 @@ def _accelerated_from_pretrained(wrapped, instance, args, kwargs):
     report = context.LoadReport(instance.__name__, _LIBRARY)
     report.technique = _TECHNIQUE
     with context.activate(report) as ctx, collection_paused_for_load() as report.gc_paused:
-        start_prefetch(ctx, _local_checkpoint_files(args, kwargs))  # closed with the load context
+        requested = kwargs.get("mindspore_dtype")
+        plan = CastPlan.for_dtype(requested) if isinstance(requested, ms.Type) else None
+        if plan is not None:
+            report.technique += f", cast to {plan.target} while reading"
+        ctx.cache["cast_at_read"] = CastRegistry()
+        start_prefetch(ctx, _local_checkpoint_files(args, kwargs), plan)  # closed with the load context
         result = wrapped(*args, **kwargs)
         model = result[0] if isinstance(result, tuple) else result
         if ctx.cache.get("passthrough"):
@@ -177,7 +183,7 @@ def load_state_dict(wrapped, instance, args, kwargs):
         return wrapped(*args, **kwargs)
     ctx = _active()
     try:
-        arrays = _read(ctx, checkpoint_file)
+        arrays, cast_at_read = _read(ctx, checkpoint_file)
     except CheckpointError as refused:
         logger.debug("ms_loadpatch: %s left to mindone: %s", checkpoint_file, refused)
         # mindone's error, with the file, tensor and reason its message lacks (git-lfs: even the file)
@@ -185,7 +191,7 @@ def load_state_dict(wrapped, instance, args, kwargs):
             return wrapped(*args, **kwargs)
     if ctx is None:
         return {name: ms.Parameter(array, name=name) for name, array in arrays.items()}
-    return {name: to_tensor(array) for name, array in arrays.items()}
+    return _tensors(ctx, arrays, cast_at_read)
 
 
 # -- internals of mindone's loading path (targets.TARGETS, diffusers "internal" rows)
@@ -213,8 +219,11 @@ def load_pretrained_model(wrapped, instance, args, kwargs):
         logger.debug("ms_loadpatch: %s loads unpatched: %s", type(model).__name__, reason)
         ctx.cache["passthrough"] = reason
         state_dict = args[1] if len(args) > 1 else kwargs.get("state_dict")
-        if state_dict:  # read by our load_state_dict as tensors; mindone's loader wants Parameters
-            state_dict = {k: v if isinstance(v, ms.Parameter) else ms.Parameter(v, name=k) for k, v in state_dict.items()}
+        if state_dict:  # read by our load_state_dict as tensors; mindone's loader wants Parameters of the file's values
+            registry = ctx.cache["cast_at_read"]
+            state_dict = {k: v if isinstance(v, ms.Parameter) else ms.Parameter(registry.as_in_file(v, ctx.report),
+                                                                                  name=k)
+                          for k, v in state_dict.items()}
             if len(args) > 1:
                 args = (args[0], state_dict) + tuple(args[2:])
             else:
@@ -264,7 +273,7 @@ def load_shard_file(wrapped, instance, args, kwargs):
     if isinstance(shard_file, dict):  # a single file, read by load_state_dict
         state_dict, path = shard_file, ctx.cache.get("last_file")
     else:
-        state_dict = {name: to_tensor(array) for name, array in _read(ctx, shard_file).items()}
+        state_dict = _tensors(ctx, *_read(ctx, shard_file))
         path = shard_file
     with file_named(path):  # whatever fails with this file's tensors names it
         mismatched_keys = sys.modules[_LOADING_MODULE]._find_mismatched_keys(
@@ -272,13 +281,17 @@ def load_shard_file(wrapped, instance, args, kwargs):
             kwargs.get("ignore_mismatched_sizes", False)
         )
         with ctx.report.phase("assign"):
-            _assign(ctx, index, state_dict, kwargs.get("dtype"), kwargs.get("keep_in_fp32_modules"))
+            try:
+                _assign(ctx, index, state_dict, kwargs.get("dtype"), kwargs.get("keep_in_fp32_modules"))
+            finally:
+                ctx.cache["cast_at_read"].clear()  # tensors not assigned (unexpected keys) are freed
     return kwargs.get("offload_index"), kwargs.get("state_dict_index"), mismatched_keys, []
 
 
 def convert_state_dict(wrapped, instance, args, kwargs):
     """mindone's _convert_state_dict, tolerating plain tensors (a Conv1d mapping reads `.name`)."""
-    if _active() is None:
+    ctx = _active()
+    if ctx is None:
         return wrapped(*args, **kwargs)
     model, state_dict_pt = args[0], args[1]
     if not state_dict_pt:
@@ -291,10 +304,11 @@ def convert_state_dict(wrapped, instance, args, kwargs):
         name_ms = name_pt
         if mapping is not None:
             name_ms, function = mapping
-            try:
-                data_pt = function(data_pt)
-            except AttributeError:  # only a Parameter has `.name`
-                data_pt = function(ms.Parameter(data_pt, name=name_pt))
+            mapped = _mapped(function, data_pt, name_pt)
+            if mapped is not data_pt:  # transformed (Conv1d): from the file's values, as unpatched
+                in_file = ctx.cache["cast_at_read"].as_in_file(data_pt, ctx.report)
+                mapped = mapped if in_file is data_pt else _mapped(function, in_file, name_pt)
+            data_pt = mapped
         if name_ms is not None:
             converted[name_ms] = data_pt
     return converted
@@ -348,17 +362,31 @@ def _local_checkpoint_files(args, kwargs) -> list[str]:
     ])
 
 
-def _read(ctx, path) -> dict:
-    """Arrays of one file: taken from the prefetcher if it read it, else read now."""
+def _mapped(function, tensor, name):
+    try:
+        return function(tensor)
+    except AttributeError:  # only a Parameter has `.name`
+        return function(ms.Parameter(tensor, name=name))
+
+
+def _tensors(ctx, arrays, cast_at_read) -> dict:
+    """name -> Tensor sharing each array; those cast while reading listed in the load's registry."""
+    tensors = {name: to_tensor(array) for name, array in arrays.items()}
+    ctx.cache["cast_at_read"].add(tensors, cast_at_read)
+    return tensors
+
+
+def _read(ctx, path):
+    """(arrays, cast_at_read) of one file: taken from the prefetcher if it read it, else read now."""
     if ctx is None:
-        return read_arrays(path)[0]
+        return read_arrays(path)[0], {}
     with ctx.report.phase("read"):
-        arrays = take_or_read(ctx, path)[0]
+        arrays, _metadata, cast_at_read = take_or_read(ctx, path)
     ctx.report.tensors_read += len(arrays)
     ctx.report.shards += 1
     ctx.cache.setdefault("keys_read", set()).update(arrays)  # checked against the index
     ctx.cache["last_file"] = os.fspath(path)  # named in errors about its tensors
-    return arrays
+    return arrays, cast_at_read
 
 
 def _parameter_index(model):
@@ -376,12 +404,13 @@ def _parameter_index(model):
 def _assign(ctx, index, state_dict, dtype, keep_in_fp32_modules) -> None:
     """What mindone's _load_state_dict_into_model + load_param_into_net +
     model.to(dtype) leave in each parameter, with one cast at most."""
-    report = ctx.report
+    report, registry = ctx.report, ctx.cache["cast_at_read"]
     for key, value in state_dict.items():
         entry = index.get(key)
         if entry is None:  # unexpected key: mindone's loader ignores it too
             continue
         param, construction_dtype = entry
+        origin = registry.pop(value)
         if value.shape != param.shape:
             raise RuntimeError(
                 f"For 'load_param_into_net', {key} in the argument 'net' should have the same shape "
@@ -396,12 +425,25 @@ def _assign(ctx, index, state_dict, dtype, keep_in_fp32_modules) -> None:
             if any(module in key.split(".") for module in keep_in_fp32_modules):
                 loaded_dtype = ms.float32
         final = dtype if dtype is not None else loaded_dtype
-        if value.dtype != loaded_dtype and (value.dtype, loaded_dtype) not in _EXACT_WIDENING:
-            value = cast(value, loaded_dtype)  # a lossy first step must be reproduced
-            report.tensors_cast += 1
-        if value.dtype != final:
-            value = cast(value, final)
-            report.tensors_cast += 1
+        cast_while_reading = False
+        if origin is not None:
+            source = origin.source_dtype()
+            # unpatched: file -> loaded_dtype -> final; one cast file -> final when either step is no step
+            one_step = source == loaded_dtype or (source, loaded_dtype) in _EXACT_WIDENING or loaded_dtype == final
+            cast_while_reading = one_step and value.dtype == final
+            if cast_while_reading:
+                report.tensors_cast += 1
+                report.tensors_cast_while_reading += 1
+            else:
+                value = to_tensor(origin.original())
+                report.tensors_read_again += 1
+        if not cast_while_reading:
+            if value.dtype != loaded_dtype and (value.dtype, loaded_dtype) not in _EXACT_WIDENING:
+                value = cast(value, loaded_dtype)  # a lossy first step must be reproduced
+                report.tensors_cast += 1
+            if value.dtype != final:
+                value = cast(value, final)
+                report.tensors_cast += 1
         if param.dtype != final:
             param.set_dtype(final)  # lazy: metadata only; otherwise a cast set_data then overwrites
         param.set_data(value)  # not assign.fill: mindone's diffusers load keeps the initializer (init_mode) too

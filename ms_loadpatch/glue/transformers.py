@@ -24,7 +24,7 @@ from .. import core
 from . import file_named, naming_the_file, overridden_method
 from ..strategy import context
 from ..strategy.assign import assign, cast_parameters, cell_to_keeping_lazy, check_and_pair
-from ..strategy.castread import CastPlan
+from ..strategy.castread import CastPlan, CastRegistry
 from ..strategy.construct import (CONSTRUCTION_LOCK, as_load_state_dict_leaves_it, initialize_unloaded,
                                   lazy_construction, state_index)
 from ..strategy.fastbuild import collection_paused_for_load, fast_construction
@@ -188,9 +188,7 @@ def load_state_dict(wrapped, instance, args, kwargs):
     ctx.cache["last_file"] = os.fspath(checkpoint_file)  # named in a shape-mismatch error
     ctx.cache.setdefault("keys_read", set()).update(arrays)  # checked against the index
     tensors = {name: to_tensor(array) for name, array in arrays.items()}
-    registry = ctx.cache.setdefault("cast_at_read", {})
-    for name, origin in cast_at_read.items():
-        registry[id(tensors[name])] = (tensors[name], origin)  # the object too: ids are reused
+    ctx.cache.setdefault("cast_at_read", CastRegistry()).add(tensors, cast_at_read)
     return tensors
 
 
@@ -294,8 +292,9 @@ def convert_state_dict(wrapped, instance, args, kwargs):
                 name_ms = name_pt if mapping is None else name_ms
             if mapping is not None:
                 mapped = _mapped(mapping, data_pt, name_pt)
-                if mapped is not data_pt:  # transformed (Conv1d): from the file's values, as unpatched
-                    in_file = _as_in_file(ctx, data_pt)
+                registry = ctx.cache.get("cast_at_read")
+                if mapped is not data_pt and registry is not None:  # transformed (Conv1d): the file's values
+                    in_file = registry.as_in_file(data_pt, ctx.report)
                     mapped = mapped if in_file is data_pt else _mapped(mapping, in_file, name_pt)
                 data_pt = mapped
             if name_ms is not None:
@@ -308,15 +307,6 @@ def _mapped(mapping, tensor, name):
         return mapping(tensor)
     except AttributeError:  # Conv1d mappings read `.name`, which only a Parameter has
         return mapping(ms.Parameter(tensor, name=name))
-
-
-def _as_in_file(ctx, tensor):
-    """`tensor` with the file's values: read again if it was cast while reading."""
-    entry = ctx.cache.get("cast_at_read", {}).pop(id(tensor), None)
-    if entry is None or entry[0] is not tensor:
-        return tensor
-    ctx.report.tensors_read_again += 1
-    return to_tensor(entry[1].original())
 
 
 def load_state_dict_into_model(wrapped, instance, args, kwargs):
@@ -341,7 +331,7 @@ def load_state_dict_into_model(wrapped, instance, args, kwargs):
             with file_named(ctx.cache.get("last_file")):
                 assign(pairs, ctx.loaded, ctx.report, registry)
         finally:
-            if registry:
+            if registry is not None:
                 registry.clear()  # tensors mindone dropped (unexpected keys) are freed
         if len(start_prefix) > 0:
             for name, param in model_to_load.parameters_and_names():

@@ -47,14 +47,14 @@ def fill(param, value) -> None:
         param.init_mode = None
 
 
-def assign(pairs, loaded: dict, report, cast_at_read: dict | None = None) -> None:
+def assign(pairs, loaded: dict, report, cast_at_read=None) -> None:
     """Assign checked pairs; record id(param) -> tensor in `loaded`.
-    `cast_at_read` (id(tensor) -> (tensor, castread.CastAtRead)) names the
-    tensors cast while reading: one that fits its parameter's dtype is used
-    as it is; any other gets the file's values back and goes the usual way."""
+    `cast_at_read` (a castread.CastRegistry) lists the tensors cast while
+    reading: one that fits its parameter's dtype is used as it is; any other
+    gets the file's values back and goes the usual way."""
     for kind, target, value in pairs:
-        entry = cast_at_read.pop(id(value), None) if cast_at_read else None
-        if entry is not None and entry[0] is value:
+        origin = cast_at_read.pop(value) if cast_at_read is not None else None
+        if origin is not None:
             if kind == "param" and value.dtype == target.dtype:
                 report.tensors_cast += 1
                 report.tensors_cast_while_reading += 1
@@ -62,7 +62,7 @@ def assign(pairs, loaded: dict, report, cast_at_read: dict | None = None) -> Non
                 loaded[id(target)] = value
                 report.tensors_assigned += 1
                 continue
-            value = to_tensor(entry[1].original())  # a buffer, a module kept in another dtype
+            value = to_tensor(origin.original())  # a buffer, a module kept in another dtype
             report.tensors_read_again += 1
         if kind == "param":
             if value.dtype != target.dtype:

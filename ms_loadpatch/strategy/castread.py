@@ -37,8 +37,8 @@ from .reader import (CheckpointError, _read_header_from, checkpoint_os_error, re
                      run_in_threads)
 
 NAME = "cast-on-read"
-DESCRIPTION = ("a transformers load asked for another dtype reads the tensors it casts through a reused staging "
-               "buffer into their final dtype's memory (numpy's cast, probed against Tensor.set_dtype)")
+DESCRIPTION = ("a load asked for another dtype reads the tensors it casts through a reused staging buffer into "
+               "their final dtype's memory (numpy's cast, probed against Tensor.set_dtype)")
 # Staging per reading thread; parts of this size keep the GIL-holding casts short.
 STAGING_BYTES = 32 << 20
 _ALIGN = 64
@@ -173,7 +173,7 @@ def technique_status() -> dict:
     those left to Tensor.set_dtype, with why. Runs the probes."""
     from .fastbuild import ENV_VAR
 
-    row = {"name": NAME, "libraries": ["transformers"], "description": DESCRIPTION}
+    row = {"name": NAME, "libraries": ["transformers", "diffusers"], "description": DESCRIPTION}
     if switched_off():
         return {**row, "state": "off", "reason": f"switched off by {ENV_VAR}"}
     floating = _floating()
@@ -248,10 +248,14 @@ class Staging:
 class CastAtRead:
     """Where a tensor cast while reading came from, to read its file values again."""
 
-    __slots__ = ("path", "name", "identity")
+    __slots__ = ("path", "name", "identity", "source")
 
-    def __init__(self, path, name, identity):
-        self.path, self.name, self.identity = path, name, identity
+    def __init__(self, path, name, identity, source: np.dtype):
+        self.path, self.name, self.identity, self.source = path, name, identity, source
+
+    def source_dtype(self):
+        """The file's dtype, as a mindspore dtype."""
+        return next(ms_dtype for ms_dtype, np_dtype in _floating().items() if np_dtype == self.source)
 
     def original(self) -> np.ndarray:
         """The tensor as the file holds it, from the file read before, unchanged since."""
@@ -274,6 +278,37 @@ class CastAtRead:
             raise CheckpointError(path, f"read {got} of {end - begin} bytes: the file changed or is truncated",
                                   key=self.name)
         return array.view(dtype).reshape(shape)
+
+
+class CastRegistry:
+    """The tensors of a load that were cast while reading, by identity: the
+    registry holds them, so an id is never reused while it is listed."""
+
+    def __init__(self):
+        self._entries: dict = {}
+
+    def add(self, tensors: dict, cast_at_read: dict) -> None:
+        """`tensors` (name -> Tensor) made from read_cast's arrays."""
+        for name, origin in cast_at_read.items():
+            self._entries[id(tensors[name])] = (tensors[name], origin)
+
+    def pop(self, tensor) -> CastAtRead | None:
+        """Where `tensor` came from if it was cast while reading (then unlisted), else None."""
+        entry = self._entries.pop(id(tensor), None)
+        return entry[1] if entry is not None and entry[0] is tensor else None
+
+    def as_in_file(self, tensor, report):
+        """`tensor`, or the file's values if it was cast while reading (read again)."""
+        from .tensors import to_tensor
+
+        origin = self.pop(tensor)
+        if origin is None:
+            return tensor
+        report.tensors_read_again += 1
+        return to_tensor(origin.original())
+
+    def clear(self) -> None:
+        self._entries.clear()
 
 
 def _segments(entries: dict, plan: CastPlan):
@@ -404,7 +439,7 @@ def read_cast(path, plan: CastPlan, threads: int | None = None, stop=None, stagi
         except ValueError:
             raise CheckpointError(path, f"numpy cannot hold shape {list(shape)}", key=name) from None
         if final != dtype:
-            cast_at_read[name] = CastAtRead(os.fspath(path), name, identity)
+            cast_at_read[name] = CastAtRead(os.fspath(path), name, identity, dtype)
     return arrays, header.metadata, cast_at_read
 
 
