@@ -33,7 +33,7 @@ import threading
 
 import numpy as np
 
-from .reader import (CheckpointError, _read_header_from, checkpoint_os_error, read_into, read_threads,
+from .reader import (CheckpointError, _read_header_from, checkpoint_os_error, data_buffer, read_into, read_threads,
                      run_in_threads)
 
 NAME = "cast-on-read"
@@ -48,9 +48,9 @@ _probe_lock = threading.Lock()
 
 
 def switched_off() -> bool:
-    from .fastbuild import ENV_VAR
+    from .fastbuild import named_off
 
-    names = {part.strip() for part in os.environ.get(ENV_VAR, "").split(",")}
+    names = named_off()
     return NAME in names or "all" in names
 
 
@@ -339,24 +339,14 @@ def _offsets(sizes) -> tuple[list[int], int]:
     return offsets, total
 
 
-def _allocate(path, nbytes: int) -> np.ndarray:
-    try:
-        return np.empty(nbytes, dtype=np.uint8)
-    except MemoryError as exc:
-        raise MemoryError(
-            f"Cannot load checkpoint file {os.fspath(path)}: not enough memory for its {nbytes} bytes of "
-            f"tensor data ({exc})"
-        ) from exc
-
-
 def _fault_in(buffer: np.ndarray, threads: int, stop) -> None:
     """Touch every page of `buffer` in `threads` threads, GIL released (ndarray.fill)."""
     if not len(buffer):
         return
     step = -(-len(buffer) // max(1, threads) // _ALIGN) * _ALIGN
     parts = [buffer[lo:lo + step] for lo in range(0, len(buffer), step)]
-    run_in_threads([lambda part=part: part.fill(0) for part in parts], "ms_loadpatch-fault-in", stop or threading.Event(),
-                   "faulting in cast memory")
+    run_in_threads([lambda part=part: part.fill(0) for part in parts], "ms_loadpatch-fault-in",
+                   stop or threading.Event(), "faulting in cast memory")
 
 
 def read_cast(path, plan: CastPlan, threads: int | None = None, stop=None, staging: Staging | None = None):
@@ -376,7 +366,7 @@ def read_cast(path, plan: CastPlan, threads: int | None = None, stop=None, stagi
             out_item = plan.target_numpy.itemsize
             run_offsets, out_total = _offsets([(end - begin) // dtype.itemsize * out_item
                                                for dtype, begin, end, _ in runs])
-            kept_buffer, out = _allocate(path, kept_total), _allocate(path, out_total)
+            kept_buffer, out = data_buffer(path, kept_total), data_buffer(path, out_total)
             _fault_in(out, threads, stop)
             fd, short = f.fileno(), None
             for (begin, end), offset in zip(kept_ranges, kept_offsets):

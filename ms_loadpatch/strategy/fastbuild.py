@@ -1250,9 +1250,13 @@ def leftovers() -> list[str]:
     return found
 
 
+def named_off() -> set[str]:
+    """The names MS_LOADPATCH_TECHNIQUES_OFF lists, as written (`all` included)."""
+    return {part.strip() for part in os.environ.get(ENV_VAR, "").split(",") if part.strip()}
+
+
 def switched_off() -> set[str]:
-    value = os.environ.get(ENV_VAR, "")
-    names = {part.strip() for part in value.split(",") if part.strip()}
+    names = named_off()
     if "all" in names:
         return {t.name for t in TECHNIQUES}
     return names

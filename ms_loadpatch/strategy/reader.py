@@ -512,6 +512,17 @@ class _Either:
         return any(e.is_set() for e in self._events)
 
 
+def data_buffer(path, nbytes: int) -> np.ndarray:
+    """An uninitialised byte buffer for `path`'s tensor data; MemoryError naming the file."""
+    try:
+        return np.empty(nbytes, dtype=np.uint8)
+    except MemoryError as exc:
+        raise MemoryError(
+            f"Cannot load checkpoint file {os.fspath(path)}: not enough memory for its {nbytes} bytes of "
+            f"tensor data ({exc})"
+        ) from exc
+
+
 def read_arrays(path, threads: int | None = None, stop=None) -> tuple[dict[str, np.ndarray], dict | None]:
     """All tensors of one file as numpy views of one owned buffer, in file
     order; `threads` for the data read (default read_threads()); `stop` (an
@@ -527,13 +538,7 @@ def read_arrays(path, threads: int | None = None, stop=None) -> tuple[dict[str, 
             before = os.fstat(f.fileno())
             header = _read_header_from(f, path)
             data_len = max((end for _, _, _, end in header.entries.values()), default=0)
-            try:
-                buffer = np.empty(data_len, dtype=np.uint8)
-            except MemoryError as exc:
-                raise MemoryError(
-                    f"Cannot load checkpoint file {os.fspath(path)}: not enough memory for its {data_len} bytes of "
-                    f"tensor data ({exc})"
-                ) from exc
+            buffer = data_buffer(path, data_len)
             got = read_into(f.fileno(), buffer, header.data_start, threads, stop, f"the read of {os.fspath(path)}") \
                 if data_len else 0
             after = os.fstat(f.fileno())
