@@ -74,6 +74,7 @@ def _accelerated_from_pretrained(wrapped, instance, args, kwargs):
             plan = CastPlan.for_dtype(requested)
             if plan is not None:
                 report.technique += f", cast to {plan.target} while reading"
+            ctx.cache["cast_at_read"] = CastRegistry()
             start_prefetch(ctx, _local_checkpoint_files(args, kwargs), plan)
             result = wrapped(*args, **kwargs)
             if not ctx.cache.get("load_done"):
@@ -188,7 +189,7 @@ def load_state_dict(wrapped, instance, args, kwargs):
     ctx.cache["last_file"] = os.fspath(checkpoint_file)  # named in a shape-mismatch error
     ctx.cache.setdefault("keys_read", set()).update(arrays)  # checked against the index
     tensors = {name: to_tensor(array) for name, array in arrays.items()}
-    ctx.cache.setdefault("cast_at_read", CastRegistry()).add(tensors, cast_at_read)
+    ctx.cache["cast_at_read"].add(tensors, cast_at_read)
     return tensors
 
 
@@ -292,9 +293,8 @@ def convert_state_dict(wrapped, instance, args, kwargs):
                 name_ms = name_pt if mapping is None else name_ms
             if mapping is not None:
                 mapped = _mapped(mapping, data_pt, name_pt)
-                registry = ctx.cache.get("cast_at_read")
-                if mapped is not data_pt and registry is not None:  # transformed (Conv1d): the file's values
-                    in_file = registry.as_in_file(data_pt, ctx.report)
+                if mapped is not data_pt:  # transformed (Conv1d): the file's values
+                    in_file = ctx.cache["cast_at_read"].as_in_file(data_pt, ctx.report)
                     mapped = mapped if in_file is data_pt else _mapped(mapping, in_file, name_pt)
                 data_pt = mapped
             if name_ms is not None:
@@ -326,13 +326,12 @@ def load_state_dict_into_model(wrapped, instance, args, kwargs):
             if "last_file" not in ctx.cache:
                 raise
             raise RuntimeError(f"{exc}\n\t(checkpoint file: {ctx.cache['last_file']})") from None
-        registry = ctx.cache.get("cast_at_read")
+        registry = ctx.cache["cast_at_read"]
         try:
             with file_named(ctx.cache.get("last_file")):
                 assign(pairs, ctx.loaded, ctx.report, registry)
         finally:
-            if registry is not None:
-                registry.clear()  # tensors mindone dropped (unexpected keys) are freed
+            registry.clear()  # tensors mindone dropped (unexpected keys) are freed
         if len(start_prefix) > 0:
             for name, param in model_to_load.parameters_and_names():
                 param.name = name

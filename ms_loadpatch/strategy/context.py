@@ -67,9 +67,7 @@ class LoadReport:
         )
 
     def _cast_text(self) -> str:
-        if not self.tensors_cast_while_reading and not self.tensors_read_again:
-            return ""
-        return f" ({self.tensors_cast_while_reading} while reading, {self.tensors_read_again} read again)"
+        return cast_detail(self.tensors_cast_while_reading, self.tensors_read_again)
 
     def _construction_text(self) -> str:
         start = self.fast_construction_from
@@ -81,6 +79,13 @@ class LoadReport:
             return ""
         rank = f"rank {self.rank}, " if self.rank is not None else ""
         return f" ({rank}{self.local_ranks} rank(s) on this node)"
+
+
+def cast_detail(while_reading: int, read_again: int) -> str:
+    """The text after a cast count: ' (N while reading, M read again)', or '' when both are 0."""
+    if not while_reading and not read_again:
+        return ""
+    return f" ({while_reading} while reading, {read_again} read again)"
 
 
 _last_reports: list[LoadReport] = []

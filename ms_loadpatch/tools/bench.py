@@ -405,9 +405,10 @@ def _mb(n) -> str:
     return f"{n / 2**20:,.0f} MB"
 
 
-def _while_reading(report) -> str:
-    done, again = report.get("tensors_cast_while_reading") or 0, report.get("tensors_read_again") or 0
-    return f" ({done} while reading, {again} read again)" if done or again else ""
+def _while_reading(report: dict) -> str:
+    from ..strategy.context import cast_detail
+
+    return cast_detail(report.get("tensors_cast_while_reading") or 0, report.get("tensors_read_again") or 0)
 
 
 def _s(x) -> str:
