@@ -148,7 +148,7 @@ def test_fault_during_assignment(models, monkeypatch, exception):
     """assign() fails after putting the first tensor of a shard in place."""
     real = glue_tf.assign
 
-    def failing(pairs, loaded, report, cast_at_read=None):
+    def failing(pairs, loaded, report, cast_at_read):
         real(pairs[:1], loaded, report, cast_at_read)
         raise exception("injected assignment failure")
 

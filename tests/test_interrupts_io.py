@@ -104,7 +104,7 @@ def _interrupt_at(point, library, monkeypatch, interrupt, slow_read_seconds=0.5)
         if library == "tf":
             real_assign = tf_glue.assign
 
-            def assign(pairs, loaded, report, cast_at_read=None):
+            def assign(pairs, loaded, report, cast_at_read):
                 pairs = list(pairs)
                 real_assign(pairs[: len(pairs) // 2], loaded, report, cast_at_read)
                 interrupt.hit()

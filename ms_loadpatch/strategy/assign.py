@@ -47,13 +47,13 @@ def fill(param, value) -> None:
         param.init_mode = None
 
 
-def assign(pairs, loaded: dict, report, cast_at_read=None) -> None:
+def assign(pairs, loaded: dict, report, cast_at_read) -> None:
     """Assign checked pairs; record id(param) -> tensor in `loaded`.
     `cast_at_read` (a castread.CastRegistry) lists the tensors cast while
     reading: one that fits its parameter's dtype is used as it is; any other
     gets the file's values back and goes the usual way."""
     for kind, target, value in pairs:
-        origin = cast_at_read.pop(value) if cast_at_read is not None else None
+        origin = cast_at_read.pop(value)
         if origin is not None:
             if kind == "param" and value.dtype == target.dtype:
                 report.tensors_cast += 1
