@@ -30,7 +30,7 @@ from mindspore import mint, ops  # noqa: E402
 import ms_loadpatch  # noqa: E402
 from ms_loadpatch.glue import diffusers as glue  # noqa: E402
 from ms_loadpatch.strategy import context  # noqa: E402
-from ms_loadpatch.strategy.reader import read_arrays  # noqa: E402
+from ms_loadpatch.strategy.prefetch import read_file  # noqa: E402
 from ms_loadpatch.testing import assert_same_model, compare, cpu_kernel_fallbacks, load_both, snapshot  # noqa: E402
 
 FP32, FP16, BF16 = ms.float32, ms.float16, ms.bfloat16
@@ -284,8 +284,8 @@ def test_files_read_ahead(ckpts, tmp_path, monkeypatch, layout, kwargs):
         if prefetcher is None or not prefetcher.predicted(file):
             raise AssertionError(f"{file} was not predicted by the read-ahead")
         taken = prefetcher.take(file)
-        if taken is None:
-            return read_arrays(file)
+        if taken is None:  # its read had not started: read here, as take_or_read does
+            return read_file(file, ctx.cache.get("cast_plan"))
         read_ahead.append(file)
         return taken
 
