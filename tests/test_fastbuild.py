@@ -332,6 +332,28 @@ def test_moe_experts_are_copied_and_same_objects():
     assert len({id(p) for p in fast.get_parameters()}) == len(list(plain.get_parameters()))
 
 
+def test_a_block_of_copied_experts_gets_no_recipe_of_its_own():
+    experts = fastbuild.SiblingClone.COPIES_INSIDE_LIMIT + 4
+
+    def config():
+        return hf.MixtralConfig(vocab_size=128, hidden_size=32, num_hidden_layers=4, num_attention_heads=4,
+                                num_key_value_heads=2, intermediate_size=16, num_local_experts=experts,
+                                num_experts_per_tok=2)
+
+    technique = _sibling_clone()
+    ms.set_seed(1)
+    with techniques_off("sibling-clone"), lazy_construction(fast=True):
+        plain = mt.MixtralForCausalLM(config())
+    before = technique.cloned
+    with lazy_construction(fast=True):
+        fast = mt.MixtralForCausalLM(config())
+        learnt = {key[0].__name__: entry[0] for key, entry in technique.entries.items()}
+    assert learnt["MixtralSparseMoeBlock"] == "never"  # built by its own __init__ in every layer
+    assert learnt["MixtralBlockSparseTop2MLP"] == "recipe"
+    assert technique.cloned - before >= 4 * experts - 3  # every expert after the first three still copied
+    assert_same_state(plain, fast)
+
+
 class _Counted(nn.Cell):
     """Each build differs (a class-level counter): never copied."""
     builds = 0

@@ -492,7 +492,8 @@ class SiblingClone:
     """A model builds many cells of one class with the same arguments (the
     experts of every MoE layer, identical MLPs). Within a window, a class is
     noticed at its first build (its `__init__` is wrapped until the window
-    closes); a call is noted at its first build, the next two with the same
+    closes); a call is noted at its first build (or, when that build was
+    mostly copies, left to `__init__` for good), the next two with the same
     arguments run `__init__` and each gives a recipe, taken right after `__init__` returned; when both
     recipes are the same and a copy made from the recipe equals the second
     cell (`model_state`: every cell's `__dict__`, parameters, primitives),
@@ -513,6 +514,11 @@ class SiblingClone:
     description = ("cells built again with the same arguments (each expert of a MoE layer) copied from a recipe "
                    "checked against real builds")
     _SCALARS = (type(None), bool, int, float, complex, str, bytes)
+    # A cell whose first build copied this many cells from recipes (an MoE
+    # block of copied experts) gets no recipe of its own: learning one walks
+    # its whole subtree three times more (0.6 s for a 128-expert block), and a
+    # copy of it saves only the per-expert call (~5 ms a block).
+    COPIES_INSIDE_LIMIT = 16
 
     def __init__(self):
         self.hooked: dict = {}
@@ -646,8 +652,11 @@ class SiblingClone:
             self.cloned += 1
             return None
         if entry is None:  # a call seen once (e.g. a layer with its own index) is not worth a recipe
-            self.entries[key] = ("seen", None, None)
-            return init(cell, *args, **kwargs)
+            copies_before = self.cloned
+            init(cell, *args, **kwargs)
+            mostly_copies = self.cloned - copies_before >= self.COPIES_INSIDE_LIMIT
+            self.entries[key] = ("never" if mostly_copies else "seen", None, None)
+            return None
         snapshot = self._config_snapshot(configs)
         init(cell, *args, **kwargs)
         if entry[0] in ("seen", "recipe"):  # second build, or the config changed: (re)start learning
