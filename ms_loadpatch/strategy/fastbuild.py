@@ -515,9 +515,10 @@ class SiblingClone:
                    "checked against real builds")
     _SCALARS = (type(None), bool, int, float, complex, str, bytes)
     # A cell whose first build copied this many cells from recipes (an MoE
-    # block of copied experts) gets no recipe of its own: learning one walks
-    # its whole subtree three times more (0.6 s for a 128-expert block), and a
-    # copy of it saves only the per-expert call (~5 ms a block).
+    # block of copied experts) gets no recipe of its own: learning one costs
+    # two more compiles, a copy and two state comparisons of its whole subtree
+    # (0.6 s for a 128-expert block), and a copy of it saves only the
+    # per-expert calls (~5 ms a block).
     COPIES_INSIDE_LIMIT = 16
 
     def __init__(self):
