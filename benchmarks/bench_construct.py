@@ -14,6 +14,7 @@ about 2 s/GB on first touch of fresh memory, which would swamp the build).
 
     python benchmarks/bench_construct.py --repeats 3
     python benchmarks/bench_construct.py --models moe --repeats 1
+    python benchmarks/bench_construct.py --models families,qwen2,dense80 --repeats 3
 """
 
 from __future__ import annotations
@@ -30,11 +31,17 @@ sys.path.insert(0, os.path.dirname(HERE))
 sys.path.insert(0, HERE)
 
 from bench_transformers import SIZES  # noqa: E402
+from moe_families import families  # noqa: E402
 
 MODELS = {
-    "moe": ("MixtralForCausalLM", SIZES["full"]["moe"]),
+    "moe": ("MixtralForCausalLM", SIZES["full"]["moe"]),  # the built-in bench's MoE, 48 layers x 128 experts
     "qwen2": ("Qwen2ForCausalLM", SIZES["full"]["qwen2"]),
+    # a big dense model: 80 decoder layers (~1.2k cells)
+    "dense80": ("Qwen2ForCausalLM", dict(vocab_size=1024, hidden_size=64, num_hidden_layers=80, num_attention_heads=4,
+                                         num_key_value_heads=2, intermediate_size=128)),
+    **{family: (class_name, config) for family, (class_name, _, config) in families().items()},
 }
+FAMILIES = list(families())
 
 _CHILD = r"""
 import gc, json, os, sys, time
@@ -43,7 +50,9 @@ import mindone.transformers as transformers
 import mindone.transformers.modeling_utils as modeling_utils
 from mindspore.nn.utils import no_init_parameters
 import ms_loadpatch
-from ms_loadpatch.strategy import fastbuild
+from ms_loadpatch import registry
+from ms_loadpatch.strategy import building
+from ms_loadpatch.strategy.building import window
 from ms_loadpatch.strategy.construct import lazy_construction
 from ms_loadpatch.testing import cpu_kernel_fallbacks
 from ms_loadpatch.tools._child import prime_memory
@@ -64,20 +73,26 @@ with cpu_kernel_fallbacks():  # this backend lacks some kernels mindone's constr
     seconds = time.perf_counter() - start
 cells = sum(1 for _ in model.cells_and_names())
 params = len(model.parameters_dict())
-active = [t.name for t in fastbuild.active_techniques()]
+active = [t.name for t in building.active_techniques()]
+build = registry.last_build() if variant != "floor" else None
 print("RESULT " + json.dumps({"seconds": seconds, "cells": cells, "parameters": params, "active": active,
-                              "engaged_at": fastbuild.engaged_at if variant != "floor" else None}))
+                              "engaged_at": window.engaged_at if variant != "floor" else None,
+                              "copied": build["cells_copied"] if build else 0,
+                              "not_copied": build["not_copied"] if build else {}}))
 """
 
 
 def _variants():
-    from ms_loadpatch.strategy.fastbuild import TECHNIQUES
+    from ms_loadpatch.strategy.building import TECHNIQUES
 
     yield "floor", "construct (mindspore no_init_parameters)", None
     yield "patched", "patched construct (all techniques)", ""
     yield "none", "patched construct, every technique off", "all"
     for technique in TECHNIQUES:
         yield f"no-{technique.name}", f"patched construct without {technique.name}", technique.name
+
+
+FAMILY_VARIANTS = ("floor", "patched", "no-sibling-clone")  # per family: floor, patched, sibling-clone's share
 
 
 def run_once(variant, off, class_name, config) -> dict:
@@ -98,27 +113,30 @@ def run_once(variant, off, class_name, config) -> dict:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--models", default=",".join(MODELS), help=f"comma-separated subset of {', '.join(MODELS)}")
+    parser.add_argument("--models", default="moe,qwen2",
+                        help=f"comma-separated subset of {', '.join(MODELS)}; `families`: every MoE family")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--only", help="comma-separated variants (floor, patched, none, no-<technique>)")
     parser.add_argument("--json", metavar="FILE")
     args = parser.parse_args(argv)
     only = set(args.only.split(",")) if args.only else None
     results = {}
-    for model in args.models.split(","):
+    models = [m for name in args.models.split(",") for m in (FAMILIES if name == "families" else [name])]
+    for model in models:
         class_name, config = MODELS[model]
         rows = []
         for variant, label, off in _variants():
-            if only and variant not in only:
+            if only and variant not in only or not only and model in FAMILIES and variant not in FAMILY_VARIANTS:
                 continue
             runs = [run_once(variant, off, class_name, config) for _ in range(args.repeats)]
             seconds = [r["seconds"] for r in runs]
             rows.append({"variant": variant, "label": label, "runs": seconds,
                          "median_seconds": statistics.median(seconds), "cells": runs[0]["cells"],
                          "parameters": runs[0]["parameters"], "active": runs[0]["active"],
-                         "engaged_at": runs[0]["engaged_at"]})
+                         "engaged_at": runs[0]["engaged_at"], "copied": runs[0]["copied"],
+                         "not_copied": runs[0]["not_copied"]})
             print(f"{model:6} {label:58} {statistics.median(seconds):8.3f} s   runs "
-                  + "/".join(f"{s:.3f}" for s in seconds), flush=True)
+                  + "/".join(f"{s:.3f}" for s in seconds) + f"   {runs[0]['copied']} cells copied", flush=True)
         results[model] = rows
         floor = next((r for r in rows if r["variant"] == "floor"), None)
         if floor:
@@ -126,7 +144,11 @@ def main(argv=None) -> int:
             print(f"{model}: {rows[0]['cells']} cells, {rows[0]['parameters']} parameters; techniques engaged "
                   + (f"at cell {engaged}" if engaged is not None else "never (fewer cells than the start)"))
             for r in rows:
-                print(f"  {r['label']:58} {r['median_seconds']:8.3f} s  {r['median_seconds'] / floor['median_seconds']:5.2f}x floor")
+                print(f"  {r['label']:58} {r['median_seconds']:8.3f} s  {r['median_seconds'] / floor['median_seconds']:5.2f}x floor"
+                      + ("" if r["variant"] == "floor" else f"  {r['copied']} cells copied"))
+            patched = next((r for r in rows if r["variant"] == "patched"), None)
+            for name, reason in (patched["not_copied"] if patched else {}).items():
+                print(f"  built plainly: {name}: {reason}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=2)

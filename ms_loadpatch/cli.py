@@ -116,6 +116,12 @@ def _print_status(report: dict) -> None:
         for row in report["techniques"]:
             reason = f"  ({row['reason']})" if row["reason"] else ""
             print(f"  {row['state']:8} {row['name']}: {row['description']}{reason}")
+    build = report.get("last_build")
+    if build is not None:
+        print(f"\nlast build in this process: fast construction from cell {build['engaged_at']}, "
+              f"{build['cells_copied']} cells copied from recipes")
+        for name, reason in build["not_copied"].items():
+            print(f"  built plainly: {name}: {reason}")
 
 
 def _cmd_status(args) -> int:

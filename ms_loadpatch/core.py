@@ -16,6 +16,7 @@ import threading
 import wrapt
 
 from . import versions
+from . import registry
 from .targets import TARGETS, Target
 
 logger = logging.getLogger("ms_loadpatch")
@@ -136,7 +137,8 @@ class _Patcher:
                 "untested": list(gate.untested),
                 "libraries": {library: _library_verdict(library, self._enabled, gate, targets)
                               for library in versions.LIBRARIES},
-                "techniques": _technique_rows() if gate.ok else [],
+                "techniques": registry.status_rows() if gate.ok else [],
+                "last_build": registry.last_build(),
                 "targets": targets,
             }
 
@@ -193,28 +195,6 @@ class _Patcher:
         parent, attribute, current = wrapt.resolve_path(module, target.path)
         if self.is_handle(current):
             wrapt.apply_patch(parent, attribute, current.__wrapped__)
-
-
-def _technique_rows() -> list[dict]:
-    """Every technique with its probe result (the probes run here, once per
-    process), or nothing before mindspore is imported: probing imports it."""
-    if "mindspore" not in sys.modules:
-        return []
-    from .strategy import fastbuild
-
-    rows = versions.techniques().rows()
-    construction_ok = next(r["state"] for r in rows if r["name"] == "lazy-construction") == "active"
-    start = fastbuild.start_after_cells()
-    when = f"construction from a build's cell {start}" if start else "construction"
-    if construction_ok:
-        from .strategy import castread
-
-        rows.append(castread.technique_status())
-    for row in fastbuild.technique_status() if construction_ok else ():
-        rows.append({"name": row["name"], "libraries": list(versions.LIBRARIES),
-                     "description": f"{when}: {row['description']}", "state": row["state"],
-                     "reason": row["reason"]})
-    return rows
 
 
 def _library_verdict(library: str, enabled: bool, gate: versions.GateResult, targets: list) -> dict:

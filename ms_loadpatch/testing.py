@@ -110,9 +110,11 @@ def assert_same_model(reference, accelerated, skip_values=()) -> None:
 @contextlib.contextmanager
 def cpu_kernel_fallbacks():
     """mindspore's CPU wheel lacks some kernels mindone calls (`Arange` behind
-    `mint.arange` while building models; `Embedding` and `RmsNorm` in forward
-    passes). Route them to equivalent ops for the duration; apply it to both
-    sides of a comparison so they stay comparable."""
+    `mint.arange` while building models; `InplaceNormal` and
+    `InplaceZero` behind `Tensor.normal_` / `zero_` in the `_init_weights` of Qwen3-MoE, Qwen2-MoE, OLMoE,
+    DeepSeek-V2 and others; `Embedding` and `RmsNorm` in forward passes).
+    Route them to equivalent ops for the duration; apply it to both sides of
+    a comparison so they stay comparable."""
     import mindspore as ms
     import wrapt
     from mindspore import mint, ops
@@ -131,8 +133,20 @@ def cpu_kernel_fallbacks():
         rstd = ops.rsqrt((x32 * x32).mean(-1, keep_dims=True) + epsilon)
         return (x32 * rstd).astype(x.dtype) * gamma, rstd
 
+    def normal_(wrapped, instance, args, kwargs):
+        mean = args[0] if args else kwargs.get("mean", 0.0)
+        std = args[1] if len(args) > 1 else kwargs.get("std", 1.0)
+        instance.copy_((ops.standard_normal(tuple(instance.shape)) * std + mean).astype(instance.dtype))
+        return instance
+
+    def zero_(wrapped, instance, args, kwargs):
+        instance.copy_(ops.zeros(tuple(instance.shape), instance.dtype))
+        return instance
+
     with contextlib.ExitStack() as stack:
         stack.enter_context(wrapt.scoped_function_wrapper(mint, "arange", arange))
+        stack.enter_context(wrapt.scoped_function_wrapper(ms.Tensor, "normal_", normal_))
+        stack.enter_context(wrapt.scoped_function_wrapper(ms.Tensor, "zero_", zero_))
         stack.enter_context(wrapt.scoped_function_wrapper(ops, "embedding", embedding))
         stack.enter_context(wrapt.scoped_function_wrapper(ops, "rms_norm", rms_norm))
         yield

@@ -148,6 +148,10 @@ FEATURES = {
 # mindone's ModuleUtilsMixin.to (PreTrainedModel lists nn.Cell first) and
 # which segfaults on a lazily built parameter: the transformers glue wraps it
 # too (targets.py, feature "cell_to"), checked by _probe_cell_to below.
+# Fast construction (strategy/building/) reproduces nn.Cell.__init__ and
+# nn.Cell.update_parameters_name from the global names they refer to on
+# 2.7.0 - 2.10.0 (cell-init-template's and flat-name-walk's KNOWN_NAMES); a
+# mindspore referring to another name fails that technique's probe.
 
 
 @dataclasses.dataclass(frozen=True)

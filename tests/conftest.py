@@ -9,7 +9,7 @@ TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
 
 # Test models have tens of cells: fast construction engages from their first
 # cell (in this process and the ones tests start), so every suite exercises it;
-# test_fastbuild checks the default start on its own.
+# test_building checks the default start on its own.
 os.environ.setdefault("MS_LOADPATCH_FAST_CONSTRUCTION_FROM", "0")
 
 

@@ -86,9 +86,9 @@ def assert_state_restored(before: dict) -> None:
     assert _lock_is_free(), "construction lock still held"
     assert context.current() is None, "a LoadContext is still current"
     assert after["env"] == before["env"]
-    from ms_loadpatch.strategy import fastbuild
+    from ms_loadpatch.strategy import building
 
-    assert fastbuild.leftovers() == []  # fast construction: nn.Cell methods, class __init__s, gc, counts
+    assert building.leftovers() == []  # fast construction: nn.Cell methods, class __init__s, gc, counts
 
 
 def raised(call):

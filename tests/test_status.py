@@ -16,9 +16,9 @@ from ms_loadpatch.targets import TARGETS
 
 # The documented shape of `status --json` (README "Status").
 TOP_KEYS = {"enabled", "versions", "supported", "tested", "refusal", "untested", "libraries", "techniques",
-            "targets", "import", "activation"}
+            "targets", "import", "activation", "last_build"}
 LIBRARY_KEYS = {"accelerated", "reason", "advice"}
-TECHNIQUE_KEYS = {"name", "libraries", "description", "state", "reason"}
+TECHNIQUE_KEYS = {"name", "kind", "libraries", "description", "state", "reason"}
 TARGET_KEYS = {"target", "library", "public", "state", "reason"}
 IMPORT_KEYS = {"imported", "seconds", "errors"}
 ACTIVATION_KEYS = {"env_var", "env_value", "pth_installed", "allow_untested_var"}

@@ -20,7 +20,8 @@ from safetensors.numpy import load_file, save_file
 
 import mindone.transformers as mt
 import ms_loadpatch
-from ms_loadpatch.strategy import fastbuild
+from ms_loadpatch.strategy import building
+from ms_loadpatch.strategy.building import state
 from ms_loadpatch.strategy.context import last_report
 from ms_loadpatch.testing import assert_same_model, compare, cpu_kernel_fallbacks, load_both, snapshot
 
@@ -275,8 +276,8 @@ def test_one_state_dict_walk_per_load(checkpoints, monkeypatch):
     assert walks == ["Qwen2ForCausalLM"]
     assert acc_info == ref_info
     assert_same_model(ref, acc)
-    skip = (fastbuild.CellInitTemplate.PER_INSTANCE_TIME, "init_tensor")  # per instance; never drawn lazily (README)
-    assert fastbuild.model_state(acc, skip) == fastbuild.model_state(ref, skip)
+    skip = (building.CellInitTemplate.PER_INSTANCE_TIME, "init_tensor")  # per instance; never drawn lazily (README)
+    assert state.model_state(acc, skip) == state.model_state(ref, skip)
 
 
 class _LateCellQwen2(mt.Qwen2ForCausalLM):
@@ -313,8 +314,8 @@ def test_cells_no_init_pass_visited_left_as_unpatched(checkpoints, cls):
     assert last_report().tensors_assigned > 0 and last_report().cells_reinitialised == 0
     assert acc_info == ref_info and ref_info["missing_keys"]
     assert_same_model(ref, acc)
-    skip = (fastbuild.CellInitTemplate.PER_INSTANCE_TIME, "init_tensor")
-    assert fastbuild.model_state(acc, skip) == fastbuild.model_state(ref, skip)
+    skip = (building.CellInitTemplate.PER_INSTANCE_TIME, "init_tensor")
+    assert state.model_state(acc, skip) == state.model_state(ref, skip)
 
 
 class _StrictFp32Qwen2(mt.Qwen2ForCausalLM):
@@ -364,5 +365,5 @@ def test_cast_while_reading_gives_way_to_the_file_values(tmp_path, cls):
     ref, acc, report = _assert_identical_loads(cls, str(tmp_path), mindspore_dtype=ms.bfloat16)
     assert report.tensors_cast_while_reading > 0 and report.tensors_read_again > 0, report.summary()
     assert "while reading" in report.technique
-    skip = (fastbuild.CellInitTemplate.PER_INSTANCE_TIME, "init_tensor")
-    assert fastbuild.model_state(acc, skip) == fastbuild.model_state(ref, skip)
+    skip = (building.CellInitTemplate.PER_INSTANCE_TIME, "init_tensor")
+    assert state.model_state(acc, skip) == state.model_state(ref, skip)

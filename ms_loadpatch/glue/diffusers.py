@@ -41,7 +41,8 @@ from ..strategy import context
 from ..strategy.assign import cast_parameters
 from ..strategy.castread import CastPlan, CastRegistry
 from ..strategy.construct import CONSTRUCTION_LOCK, lazy_construction
-from ..strategy.fastbuild import collection_paused_for_load, fast_construction
+from ..strategy.building import fast_construction
+from ..strategy.gcpause import collection_paused_for_load
 from ..strategy.prefetch import local_checkpoint_files, start_prefetch, take_or_read
 from ..strategy.reader import CheckpointError, read_arrays
 from ..strategy.tensors import cast, to_tensor

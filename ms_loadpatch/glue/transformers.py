@@ -27,7 +27,8 @@ from ..strategy.assign import assign, cast_parameters, cell_to_keeping_lazy, che
 from ..strategy.castread import CastPlan, CastRegistry
 from ..strategy.construct import (CONSTRUCTION_LOCK, as_load_state_dict_leaves_it, initialize_unloaded,
                                   lazy_construction, state_index)
-from ..strategy.fastbuild import collection_paused_for_load, fast_construction
+from ..strategy.building import fast_construction
+from ..strategy.gcpause import collection_paused_for_load
 from ..strategy.prefetch import local_checkpoint_files, start_prefetch, take_or_read
 from ..strategy.reader import CheckpointError, named_safetensors_error
 from ..strategy.tensors import to_tensor

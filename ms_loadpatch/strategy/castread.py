@@ -33,6 +33,7 @@ import threading
 
 import numpy as np
 
+from . import switch
 from .reader import (CheckpointError, _read_header_from, checkpoint_os_error, data_buffer, read_into, read_threads,
                      run_in_threads)
 
@@ -48,10 +49,7 @@ _probe_lock = threading.Lock()
 
 
 def switched_off() -> bool:
-    from .fastbuild import named_off
-
-    names = named_off()
-    return NAME in names or "all" in names
+    return switch.is_off(NAME)
 
 
 def _floating() -> dict:
@@ -171,11 +169,9 @@ def _nan_recipe(values, want, differ):
 def technique_status() -> dict:
     """status()'s row: the dtype pairs cast while reading (probe passed) and
     those left to Tensor.set_dtype, with why. Runs the probes."""
-    from .fastbuild import ENV_VAR
-
     row = {"name": NAME, "libraries": ["transformers", "diffusers"], "description": DESCRIPTION}
     if switched_off():
-        return {**row, "state": "off", "reason": f"switched off by {ENV_VAR}"}
+        return {**row, "state": "off", "reason": switch.reason_off()}
     floating = _floating()
     passed, failed = [], []
     for source in floating:

@@ -8,7 +8,8 @@ import threading
 import time
 
 from ..activation import env_flag
-from . import fastbuild
+from .building import window
+from .building.sibling_clone import SiblingClone
 
 logger = logging.getLogger("ms_loadpatch.report")
 REPORT_ENV_VAR = "MS_LOADPATCH_REPORT"
@@ -36,6 +37,8 @@ class LoadReport:
         self.rank = None
         self.technique = ""
         self.fast_construction_from = None  # the cell where fast construction engaged (None: built plainly)
+        self.cells_copied = 0  # cells sibling-clone copied from a recipe
+        self.not_copied: dict[str, str] = {}  # class built more than once, never copied -> the first reason
         self.gc_paused = False  # cyclic garbage collection paused for the whole load (gc-pause)
         self.total = 0.0
 
@@ -50,8 +53,11 @@ class LoadReport:
     def note_construction(self) -> None:
         """After the construction window closed: where its fast paths engaged
         (only a window of its own: a nested load's belongs to the outer one)."""
-        if not fastbuild.window_open():
-            self.fast_construction_from = fastbuild.engaged_at
+        if not window.window_open():
+            self.fast_construction_from = window.engaged_at
+            notes = window.notes.get(SiblingClone.name, {})
+            self.cells_copied = notes.get("cells_copied", 0)
+            self.not_copied = dict(notes.get("not_copied", {}))
 
     def as_dict(self) -> dict:
         return {k: v for k, v in vars(self).items()}
@@ -71,7 +77,7 @@ class LoadReport:
 
     def _construction_text(self) -> str:
         start = self.fast_construction_from
-        text = "" if start is None else f", fast construction from cell {start}"
+        text = "" if start is None else f", fast construction from cell {start} ({self.cells_copied} cells copied)"
         return text + (", gc paused" if self.gc_paused else "")
 
     def _rank_text(self) -> str:

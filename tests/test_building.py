@@ -1,11 +1,11 @@
-"""Fast construction (ms_loadpatch/strategy/fastbuild.py): models built with
+"""Fast construction (ms_loadpatch/strategy/building/): models built with
 the techniques are the same objects as without them.
 
 - probes: every technique passes on this mindspore; a broken fast path is
   caught by its probe; a failed probe skips the technique and the load is
   still identical; MS_LOADPATCH_TECHNIQUES_OFF switches techniques off;
 - the cell tree of a load with the techniques equals the one without them
-  (`fastbuild.model_state`: every cell's class, `__dict__` keys in order and
+  (`state.model_state`: every cell's class, `__dict__` keys in order and
   values, parameter metadata and initializers, primitives; `_create_time`
   is the documented per-instance value), for lazily built and for loaded
   models, transformers and diffusers;
@@ -18,8 +18,10 @@ Faults and threads: tests/test_faults_concurrency.py.
 """
 
 import contextlib
+import copy
 import json
 import os
+import re
 
 import mindspore as ms
 import numpy as np
@@ -30,13 +32,15 @@ from mindspore import nn
 import mindone.diffusers as md
 import mindone.transformers as mt
 import ms_loadpatch
-from ms_loadpatch.strategy import context, fastbuild
+from ms_loadpatch import registry
+from ms_loadpatch.strategy import building, context, switch
+from ms_loadpatch.strategy.building import probe, state, window
 from ms_loadpatch.strategy.construct import CONSTRUCTION_LOCK, lazy_construction
 from ms_loadpatch.testing import assert_same_model, cpu_kernel_fallbacks, load_both
 
 pytestmark = pytest.mark.usefixtures("cpu_kernels", "plugin_enabled")
 
-NAMES = [t.name for t in fastbuild.TECHNIQUES]
+NAMES = [t.name for t in building.TECHNIQUES]
 
 TF_ARCHS = {
     "qwen2": (mt.Qwen2ForCausalLM, lambda: hf.Qwen2Config(
@@ -45,6 +49,22 @@ TF_ARCHS = {
     "mixtral": (mt.MixtralForCausalLM, lambda: hf.MixtralConfig(
         vocab_size=128, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
         intermediate_size=16, num_local_experts=8, num_experts_per_tok=2)),
+    # MoE families whose experts keep the config (`self.config = config`): copies must refer to the same object
+    "qwen3_moe": (mt.Qwen3MoeForCausalLM, lambda: hf.Qwen3MoeConfig(
+        vocab_size=128, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=8, intermediate_size=64, moe_intermediate_size=16, num_experts=8, num_experts_per_tok=2)),
+    "qwen2_moe": (mt.Qwen2MoeForCausalLM, lambda: hf.Qwen2MoeConfig(  # a shared expert beside the routed ones
+        vocab_size=128, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        intermediate_size=64, moe_intermediate_size=16, shared_expert_intermediate_size=32, num_experts=8,
+        num_experts_per_tok=2)),
+    "deepseek_v2": (mt.DeepseekV2ForCausalLM, lambda: hf.DeepseekV2Config(  # shared experts, another MLP class
+        vocab_size=128, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        intermediate_size=64, moe_intermediate_size=16, n_routed_experts=8, n_shared_experts=1,
+        num_experts_per_tok=2, first_k_dense_replace=0, kv_lora_rank=16, q_lora_rank=None, qk_rope_head_dim=8,
+        qk_nope_head_dim=8, v_head_dim=8, n_group=1, topk_group=1)),
+    "olmoe": (mt.OlmoeForCausalLM, lambda: hf.OlmoeConfig(
+        vocab_size=128, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        intermediate_size=16, num_experts=8, num_experts_per_tok=2)),
     "t5": (mt.T5ForConditionalGeneration, lambda: hf.T5Config(
         vocab_size=128, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4)),
     "bert": (mt.BertModel, lambda: hf.BertConfig(
@@ -67,21 +87,21 @@ DF_ARCHS = {
 
 @contextlib.contextmanager
 def techniques_off(value="all"):
-    saved = os.environ.get(fastbuild.ENV_VAR)
-    os.environ[fastbuild.ENV_VAR] = value
+    saved = os.environ.get(switch.ENV_VAR)
+    os.environ[switch.ENV_VAR] = value
     try:
         yield
     finally:
         if saved is None:
-            os.environ.pop(fastbuild.ENV_VAR, None)
+            os.environ.pop(switch.ENV_VAR, None)
         else:
-            os.environ[fastbuild.ENV_VAR] = saved
+            os.environ[switch.ENV_VAR] = saved
 
 
 def assert_same_state(expected_model, actual_model, skip=()):
-    skip = (fastbuild.CellInitTemplate.PER_INSTANCE_TIME,) + tuple(skip)
-    expected, actual = fastbuild.model_state(expected_model, skip), fastbuild.model_state(actual_model, skip)
-    assert expected == actual, fastbuild._first_difference(expected, actual)
+    skip = (building.CellInitTemplate.PER_INSTANCE_TIME,) + tuple(skip)
+    expected, actual = state.model_state(expected_model, skip), state.model_state(actual_model, skip)
+    assert expected == actual, state.first_difference(expected, actual)
 
 
 # nn.Embedding keeps the initializer of its table as `init_tensor`: an
@@ -110,7 +130,7 @@ def checkpoints(tmp_path_factory):
 
 @pytest.mark.matrix
 def test_every_probe_passes_on_this_mindspore():
-    rows = fastbuild.technique_status()
+    rows = building.technique_status()
     assert [r["name"] for r in rows] == NAMES
     for row in rows:
         assert set(row) == {"name", "description", "state", "reason"}
@@ -120,17 +140,17 @@ def test_every_probe_passes_on_this_mindspore():
 
 def test_env_var_switches_techniques_off():
     with techniques_off("signature-cache, gc-pause"):
-        states = {r["name"]: r["state"] for r in fastbuild.technique_status()}
+        states = {r["name"]: r["state"] for r in building.technique_status()}
         assert states == {"cell-init-template": "active", "signature-cache": "off", "flat-name-walk": "active",
                           "sibling-clone": "active", "gc-pause": "off"}
-        assert [t.name for t in fastbuild.active_techniques()] == ["cell-init-template", "flat-name-walk",
+        assert [t.name for t in building.active_techniques()] == ["cell-init-template", "flat-name-walk",
                                                                    "sibling-clone"]
     with techniques_off("all"):
-        rows = fastbuild.technique_status()
+        rows = building.technique_status()
         assert {r["state"] for r in rows} == {"off"}
-        assert all(fastbuild.ENV_VAR in r["reason"] for r in rows)
+        assert all(switch.ENV_VAR in r["reason"] for r in rows)
         original = vars(nn.Cell)["__init__"]
-        with CONSTRUCTION_LOCK, fastbuild.fast_construction():
+        with CONSTRUCTION_LOCK, building.fast_construction():
             assert vars(nn.Cell)["__init__"] is original
 
 
@@ -155,7 +175,7 @@ def test_window_installs_and_restores():
     del built
 
 
-class _WrongPrefixTemplate(fastbuild.CellInitTemplate):
+class _WrongPrefixTemplate(building.CellInitTemplate):
     """A fast Cell.__init__ that forgets one per-instance value."""
 
     def install(self):
@@ -170,7 +190,7 @@ class _WrongPrefixTemplate(fastbuild.CellInitTemplate):
         return installed
 
 
-class _UnprefixedWalk(fastbuild.FlatNameWalk):
+class _UnprefixedWalk(building.FlatNameWalk):
     """A name walk that drops the prefix."""
 
     def install(self):
@@ -179,7 +199,7 @@ class _UnprefixedWalk(fastbuild.FlatNameWalk):
         return True
 
 
-class _SharedContainers(fastbuild.CellInitTemplate):
+class _SharedContainers(building.CellInitTemplate):
     """A template whose containers are shared between cells instead of fresh."""
 
     def install(self):
@@ -187,12 +207,12 @@ class _SharedContainers(fastbuild.CellInitTemplate):
         return super().install()
 
 
-class _SharedParameters(fastbuild.SiblingClone):
+class _SharedParameters(building.SiblingClone):
     """Copies that share the first cell's parameters, and no check of recipes."""
 
     def _learn(self, cell, first, snapshot):
         self.shared = {}
-        recipe = self._compile(cell)
+        recipe = self._write_recipe(cell)
         return ("recipe" if recipe is not None else "never", recipe, snapshot)
 
     def _make(self, item, made):
@@ -201,20 +221,39 @@ class _SharedParameters(fastbuild.SiblingClone):
         return super()._make(item, made)
 
 
-@pytest.mark.parametrize("broken", [_WrongPrefixTemplate, _UnprefixedWalk, _SharedContainers, _SharedParameters])
+class _CopiedReferences(building.SiblingClone):
+    """Copies that hold an equal copy of an object the real builds share (the config)."""
+
+    def _fill_cell(self, cell, recipe, made):
+        super()._fill_cell(cell, recipe, made)
+        for key, value in list(vars(cell).items()):
+            if type(value).__name__ == "Settings":  # the probe model's config
+                vars(cell)[key] = copy.copy(value)
+
+
+class _SharedOwnCopies(building.SiblingClone):
+    """Copies from a recipe even where the real builds held different objects."""
+
+    def _learn(self, cell, first, snapshot):
+        recipe = self._write_recipe(cell)
+        return ("recipe" if recipe is not None else "never", recipe, snapshot)
+
+
+@pytest.mark.parametrize("broken", [_WrongPrefixTemplate, _UnprefixedWalk, _SharedContainers, _SharedParameters,
+                                    _CopiedReferences, _SharedOwnCopies])
 def test_probe_catches_a_wrong_fast_path(broken):
-    reason = fastbuild._run_probe(broken())
+    reason = probe.run_probe(broken())
     assert reason is not None and ("differs" in reason or "registries" in reason), reason
-    assert vars(nn.Cell)["__init__"].__module__ != fastbuild.__name__  # restored after the probe
+    assert not vars(nn.Cell)["__init__"].__module__.startswith("ms_loadpatch")  # restored after the probe
 
 
 def test_failed_probe_skips_and_load_stays_identical(checkpoints, monkeypatch):
     failing = {name: "simulated probe failure" for name in NAMES}
-    monkeypatch.setattr(fastbuild, "_probe_results", failing)
-    rows = fastbuild.technique_status()
+    monkeypatch.setattr(building, "_probe_results", failing)
+    rows = building.technique_status()
     assert {r["state"] for r in rows} == {"skipped"} and all("simulated" in r["reason"] for r in rows)
     installs = []
-    for technique in fastbuild.TECHNIQUES:
+    for technique in building.TECHNIQUES:
         monkeypatch.setattr(technique, "install", lambda t=technique: installs.append(t.name) or False)
     cls, path = checkpoints["mixtral"]
     reference, accelerated = load_both(lambda: cls.from_pretrained(path))
@@ -232,33 +271,34 @@ import mindspore as ms
 import transformers as hf
 import mindone.transformers as mt
 import ms_loadpatch
-from ms_loadpatch.strategy import fastbuild
+from ms_loadpatch.strategy import building, switch
+from ms_loadpatch.strategy.building import probe, state, window
 from ms_loadpatch.strategy.construct import lazy_construction
 from ms_loadpatch.testing import assert_same_model, cpu_kernel_fallbacks, load_both
 
 config = lambda: hf.MixtralConfig(vocab_size=128, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
                                   num_key_value_heads=2, intermediate_size=16, num_local_experts=8)
-clone = next(t for t in fastbuild.TECHNIQUES if t.name == "sibling-clone")
+clone = next(t for t in building.TECHNIQUES if t.name == "sibling-clone")
 with cpu_kernel_fallbacks():
     with lazy_construction(fast=True):
         fast = mt.MixtralForCausalLM(config())
-    out = {"start": fastbuild.start_after_cells(), "probed": dict(fastbuild._probe_results),
-           "engaged_at": fastbuild.engaged_at, "cloned": clone.cloned, "leftovers": fastbuild.leftovers(),
+    out = {"start": window.start_after_cells(), "probed": dict(building._probe_results),
+           "engaged_at": window.engaged_at, "cloned": clone.cloned, "leftovers": building.leftovers(),
            "cells": sum(1 for _ in fast.cells_and_names())}
     with lazy_construction(fast=False):
         plain = mt.MixtralForCausalLM(config())
-    expected, actual = fastbuild.model_state(plain), fastbuild.model_state(fast)
-    out["same_state"] = expected == actual or fastbuild._first_difference(expected, actual)
+    expected, actual = state.model_state(plain), state.model_state(fast)
+    out["same_state"] = expected == actual or state.first_difference(expected, actual)
     with lazy_construction(fast=True):
         mt.MixtralForCausalLM(config())
-    fastbuild.technique_status()  # runs the probes now if the build did not
-    out["engaged_after_probes"] = fastbuild.engaged_at
+    building.technique_status()  # runs the probes now if the build did not
+    out["engaged_after_probes"] = window.engaged_at
     if sys.argv[1:]:  # and a load from the checkpoint, against an unpatched one
         cls = mt.MixtralForCausalLM
         reference, accelerated = load_both(lambda: cls.from_pretrained(sys.argv[1]))
         assert_same_model(reference, accelerated)
         out["loaded_same"] = True
-        out["leftovers_after_load"] = fastbuild.leftovers()
+        out["leftovers_after_load"] = building.leftovers()
         out["report_from"] = ms_loadpatch.last_report().fast_construction_from
         out["summary"] = ms_loadpatch.last_report().summary()
 print("RESULT " + json.dumps(out))
@@ -266,8 +306,8 @@ print("RESULT " + json.dumps(out))
 
 
 def _start_child(python_proc, start, *args):
-    env = {} if start is None else {fastbuild.START_ENV_VAR: str(start)}
-    proc = python_proc(["-c", _START_CHILD, *args], env_extra=env, env_drop=(fastbuild.START_ENV_VAR,))
+    env = {} if start is None else {window.START_ENV_VAR: str(start)}
+    proc = python_proc(["-c", _START_CHILD, *args], env_extra=env, env_drop=(window.START_ENV_VAR,))
     lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
     assert proc.returncode == 0 and lines, proc.stderr[-4000:]
     return json.loads(lines[-1][len("RESULT "):])
@@ -277,7 +317,7 @@ def test_default_start_builds_a_small_model_plainly(python_proc, checkpoints):
     """Unset, a model of fewer cells than DEFAULT_START never runs the probes
     nor installs a technique, built or loaded; the load report says so."""
     out = _start_child(python_proc, None, checkpoints["mixtral"][1])
-    assert out["start"] == fastbuild.DEFAULT_START and out["cells"] < fastbuild.DEFAULT_START
+    assert out["start"] == window.DEFAULT_START and out["cells"] < window.DEFAULT_START
     assert out["probed"] == {} and out["engaged_at"] is None and out["cloned"] == 0
     assert out["engaged_after_probes"] is None  # the probes' own windows do not count as the build's
     assert out["same_state"] is True and out["leftovers"] == []
@@ -302,18 +342,18 @@ def test_bad_start_value_is_ignored(monkeypatch, caplog):
     from ms_loadpatch import activation
 
     monkeypatch.setattr(activation, "_warned", set())
-    monkeypatch.setenv(fastbuild.START_ENV_VAR, "many")
-    assert fastbuild.start_after_cells() == fastbuild.DEFAULT_START
-    assert fastbuild.START_ENV_VAR in caplog.text
-    monkeypatch.setenv(fastbuild.START_ENV_VAR, "0")
-    assert fastbuild.start_after_cells() == 0
+    monkeypatch.setenv(window.START_ENV_VAR, "many")
+    assert window.start_after_cells() == window.DEFAULT_START
+    assert window.START_ENV_VAR in caplog.text
+    monkeypatch.setenv(window.START_ENV_VAR, "0")
+    assert window.start_after_cells() == 0
 
 
 # -- sibling-clone: what it copies and what it leaves to __init__
 
 
 def _sibling_clone():
-    return next(t for t in fastbuild.TECHNIQUES if t.name == "sibling-clone")
+    return next(t for t in building.TECHNIQUES if t.name == "sibling-clone")
 
 
 def test_moe_experts_are_copied_and_same_objects():
@@ -332,8 +372,50 @@ def test_moe_experts_are_copied_and_same_objects():
     assert len({id(p) for p in fast.get_parameters()}) == len(list(plain.get_parameters()))
 
 
+MOE_FAMILIES = ["mixtral", "qwen3_moe", "qwen2_moe", "deepseek_v2", "olmoe"]
+
+
+def _expert_classes(model):
+    return {type(cell).__name__ for name, cell in model.cells_and_names() if re.search(r"\.experts\.\d+$", name)}
+
+
+@pytest.mark.parametrize("arch", MOE_FAMILIES)
+def test_every_moe_family_copies_its_experts(arch, monkeypatch):
+    cls, config = TF_ARCHS[arch]
+    # the init pass is not construction (and runs kernels a lazy build has no values for)
+    monkeypatch.setattr(mt.modeling_utils, "_init_weights", False)
+    ms.set_seed(1)
+    with techniques_off("sibling-clone"), lazy_construction(fast=True):
+        plain = cls(config())
+    assert registry.last_build()["cells_copied"] == 0
+    with lazy_construction(fast=True):
+        fast = cls(config())
+    build = registry.last_build()
+    experts = _expert_classes(fast)
+    assert experts and not any(name.rsplit(".", 1)[-1] in experts for name in build["not_copied"]), build
+    assert build["cells_copied"] >= 2 * (8 - 3)  # 2 layers x 8 experts, all but the first three of a layer
+    assert_same_state(plain, fast)
+    # a copy refers to what the plain build refers to: the model's own config where it keeps one
+    for (name, p), (_, f) in zip(plain.cells_and_names(), fast.cells_and_names()):
+        if "config" in vars(p):
+            assert (vars(p)["config"] is plain.config) == (vars(f)["config"] is fast.config), name
+
+
+def test_load_report_and_status_say_what_was_copied_and_why_not(checkpoints):
+    cls, path = checkpoints["qwen3_moe"]
+    with ms_loadpatch.enabled():
+        cls.from_pretrained(path)
+    report = context.last_report()
+    assert report.cells_copied > 0 and f"({report.cells_copied} cells copied)" in report.summary()
+    # norms hold parameters made from tensors (never lazy): built by __init__, and said so
+    norm = next(name for name in report.not_copied if name.endswith("Qwen3MoeRMSNorm"))
+    assert "not lazy" in report.not_copied[norm]
+    build = ms_loadpatch.status()["last_build"]
+    assert build == {"engaged_at": 0, "cells_copied": report.cells_copied, "not_copied": report.not_copied}
+
+
 def test_a_block_of_copied_experts_gets_no_recipe_of_its_own():
-    experts = fastbuild.SiblingClone.COPIES_INSIDE_LIMIT + 4
+    experts = building.SiblingClone.COPIES_INSIDE_LIMIT + 4
 
     def config():
         return hf.MixtralConfig(vocab_size=128, hidden_size=32, num_hidden_layers=4, num_attention_heads=4,
@@ -436,7 +518,7 @@ def test_lazily_built_same_objects(arch):
         fast = cls(config())
     assert all(p.has_init for p in fast.get_parameters() if p.init_mode is not None)
     assert_same_state(plain, fast)
-    assert fastbuild.technique_status()
+    assert building.technique_status()
 
 
 def _train_step(model, inputs, kwargs=None, loss_of=None):
@@ -493,8 +575,9 @@ def test_save_pretrained_identical_files(checkpoints, tmp_path, arch):
         assert expected[name] == actual[name], name
 
 
-def test_transformers_from_config_same_objects():
-    cls, config = TF_ARCHS["mixtral"]
+@pytest.mark.parametrize("arch", MOE_FAMILIES)
+def test_transformers_from_config_same_objects(arch):
+    cls, config = TF_ARCHS[arch]
     with ms_loadpatch.disabled():
         ms.set_seed(3)
         reference = cls._from_config(config())
@@ -588,9 +671,9 @@ class _Mlp(nn.Cell):
 def test_jit_forward_and_gradients():
     """mindone's models do not compile on the CPU backend (masking code); a
     mindspore model built with the techniques runs under mindspore.jit."""
-    with CONSTRUCTION_LOCK, fastbuild.fast_construction():
+    with CONSTRUCTION_LOCK, building.fast_construction():
         fast = _Mlp()
-    with techniques_off(), CONSTRUCTION_LOCK, fastbuild.fast_construction():
+    with techniques_off(), CONSTRUCTION_LOCK, building.fast_construction():
         plain = _Mlp()
     assert_same_state(plain, fast)
     for (_, a), (_, b) in zip(plain.parameters_and_names(), fast.parameters_and_names()):
@@ -635,7 +718,7 @@ def test_gc_paused_for_the_whole_load(checkpoints, monkeypatch, arch):
     seen = _gc_enabled_at_set_train(monkeypatch, cls)
     _loaded(cls, path)
     assert seen == [False] and context.last_report().gc_paused
-    assert gc.isenabled() and fastbuild.leftovers() == []
+    assert gc.isenabled() and building.leftovers() == []
     assert "gc paused" in context.last_report().summary()
 
     seen.clear()
@@ -702,7 +785,7 @@ def test_gc_pause_held_until_the_last_overlapping_load_ends(checkpoints, monkeyp
     assert results["load-a gc after"] is False  # load b still holds the pause
     assert results["load-b gc after a ended"] is False
     assert results["load-b gc after"] is True
-    assert gc.isenabled() and fastbuild.leftovers() == []
+    assert gc.isenabled() and building.leftovers() == []
     assert_same_model(results["load-a"], results["load-b"])
 
 
@@ -725,7 +808,7 @@ def test_an_exception_in_the_window_leaves_nothing_behind():
             built = [ms.mint.nn.Linear(2, 2) for _ in range(6)]
             Failing()
     assert technique.cloned > before  # the failure came after copies were made
-    assert fastbuild.leftovers() == []
+    assert building.leftovers() == []
     assert vars(ms.mint.nn.Linear)["__init__"] is linear_init
     del caught  # its traceback holds the failed cell
     gc.collect()

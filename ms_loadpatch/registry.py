@@ -1,0 +1,69 @@
+"""Every speed technique in one table, whatever its kind: what status(),
+`ms-loadpatch status`, the switch (MS_LOADPATCH_TECHNIQUES_OFF) and the
+version matrix read.
+
+Kinds: "api" (how tensors are made, assigned and cast: versions.Techniques,
+probed per mindspore), "cast-on-read" (strategy/castread.py) and
+"construction" (strategy/building/). Above the strategy and versions.py:
+it reads both. A new kind is one entry in `_KINDS`:
+a function giving its rows (name, libraries, description, state, reason).
+"""
+
+from __future__ import annotations
+
+import sys
+
+from . import versions
+
+
+def _api_rows() -> list[dict]:
+    return versions.techniques().rows()
+
+
+def _cast_on_read_rows() -> list[dict]:
+    from .strategy import castread
+
+    return [castread.technique_status()]
+
+
+def _construction_rows() -> list[dict]:
+    from .strategy import building
+
+    start = building.window.start_after_cells()
+    when = f"construction from a build's cell {start}" if start else "construction"
+    return [{"name": row["name"], "libraries": list(versions.LIBRARIES),
+             "description": f"{when}: {row['description']}", "state": row["state"], "reason": row["reason"]}
+            for row in building.technique_status()]
+
+
+# (kind, rows); cast-on-read and construction need lazy construction (an api row) active
+_KINDS = (("api", _api_rows), ("cast-on-read", _cast_on_read_rows), ("construction", _construction_rows))
+
+
+def status_rows() -> list[dict]:
+    """Every technique with its probe result (the probes run here, once per
+    process), or nothing before mindspore is imported: probing imports it."""
+    if "mindspore" not in sys.modules:
+        return []
+    rows = []
+    for kind, make_rows in _KINDS:
+        if kind != "api" and not _lazy_construction_active(rows):
+            continue
+        rows += [{**row, "kind": kind} for row in make_rows()]
+    return rows
+
+
+def _lazy_construction_active(rows) -> bool:
+    return any(r["name"] == "lazy-construction" and r["state"] == "active" for r in rows)
+
+
+def last_build() -> dict | None:
+    """The last model this process built with fast construction: the cell
+    where it engaged, cells copied from recipes, and each class built more
+    than once but never copied with the first reason. None before any build."""
+    window = sys.modules.get(f"{__package__}.strategy.building.window")
+    if window is None or not window.notes and window.engaged_at is None:
+        return None
+    notes = window.notes.get("sibling-clone", {})
+    return {"engaged_at": window.engaged_at, "cells_copied": notes.get("cells_copied", 0),
+            "not_copied": dict(notes.get("not_copied", {}))}

@@ -1,0 +1,107 @@
+"""Building cells and parameters with less Python work, producing the same objects.
+
+Entered inside the lazy-construction window (construct.lazy_construction and
+the from_config wrappers), under CONSTRUCTION_LOCK, for the building thread
+only: each technique (technique.Technique) swaps one mindspore function for
+a dispatcher that runs the fast version in the building thread and the
+original everywhere else; the originals are put back in `finally` when the
+outermost window closes (window.py). Each technique has a probe
+(probe.py) that runs once per process; a failed probe skips it and
+`technique_status()` says why. MS_LOADPATCH_TECHNIQUES_OFF (switch.py)
+turns techniques off by name.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+
+from .. import gcpause, switch
+from . import window
+from .cell_init_template import CellInitTemplate
+from .flat_name_walk import FlatNameWalk
+from .gc_pause import GcPause
+from .probe import run_probes
+from .signature_cache import SignatureCache
+from .sibling_clone import SiblingClone
+
+ACTIVE, SKIPPED, OFF = "active", "skipped", "off"
+
+TECHNIQUES = (CellInitTemplate(), SignatureCache(), FlatNameWalk(), SiblingClone(), GcPause())
+
+_probe_results: dict[str, str | None] = {}
+_probe_lock = threading.Lock()
+
+
+def engaged_at() -> int | None:
+    """The cell of the last build at which its techniques engaged (None: built plainly)."""
+    return window.engaged_at
+
+
+def probe_result(technique) -> str | None:
+    """The probe's verdict for `technique` on this process's mindspore (run once)."""
+    if window.depth:  # inside a window the probe would compare the fast path with itself
+        raise RuntimeError("ms_loadpatch: fast-construction probes cannot run inside a construction window")
+    with _probe_lock:
+        if technique.name not in _probe_results:
+            _probe_results.update(run_probes(TECHNIQUES))
+        return _probe_results[technique.name]
+
+
+def switched_off() -> set[str]:
+    """The construction techniques MS_LOADPATCH_TECHNIQUES_OFF turns off."""
+    return {t.name for t in TECHNIQUES if switch.is_off(t.name)}
+
+
+def technique_status() -> list[dict]:
+    """One row per technique: name, description, state (active / skipped /
+    off) and the reason. Runs the probes (once per process); needs mindspore."""
+    rows = []
+    for technique in TECHNIQUES:
+        if switch.is_off(technique.name):
+            rows.append({"name": technique.name, "description": technique.description, "state": OFF,
+                         "reason": switch.reason_off()})
+            continue
+        reason = probe_result(technique)
+        rows.append({"name": technique.name, "description": technique.description,
+                     "state": ACTIVE if reason is None else SKIPPED,
+                     "reason": "probe passed: the probe model is identical with and without it" if reason is None
+                     else f"probe failed: {reason}"})
+    return rows
+
+
+def active_techniques() -> list:
+    return [t for t in TECHNIQUES if not switch.is_off(t.name) and probe_result(t) is None]
+
+
+def leftovers() -> list[str]:
+    """What a closed window would have left behind (for tests): empty when
+    nothing of fast construction is installed."""
+    found = []
+    if window.depth or window.builder is not None:
+        found.append(f"a construction window is open (depth {window.depth})")
+    for technique in TECHNIQUES:
+        found += technique.leftovers()
+    if window.counter_left_installed():
+        found.append("nn.Cell.__init__ still counts cells")
+    return found + gcpause.leftovers()
+
+
+@contextlib.contextmanager
+def fast_construction(lazy_parameters: bool = True):
+    """Construction in this thread takes every active technique's fast path
+    once it has made window.start_after_cells() cells. Call with
+    CONSTRUCTION_LOCK held. Without `lazy_parameters` (from_config:
+    parameters get their random values while the model is built) cells are
+    never copied: a copy would skip its draws from the random generator."""
+    if window.depth and window.in_builder():
+        with window.open_window(list):
+            yield
+        return
+
+    def choose():
+        techniques = active_techniques()
+        return techniques if lazy_parameters else [t for t in techniques if not isinstance(t, SiblingClone)]
+
+    with window.open_window(choose, window.start_after_cells()):
+        yield

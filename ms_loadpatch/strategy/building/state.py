@@ -1,0 +1,85 @@
+"""A model's whole state in comparable form: what the probes and the
+identity tests compare between a plain build and a fast one."""
+
+from __future__ import annotations
+
+from .cell_init_template import CellInitTemplate
+
+PER_INSTANCE_TIME = CellInitTemplate.PER_INSTANCE_TIME
+
+
+def comparable(value, ids: dict, depth=0):
+    """A comparable rendering of `value`: objects by structure, identity kept as first-seen order."""
+    import mindspore as ms
+    from mindspore import nn
+    from mindspore.ops.primitive import Primitive
+
+    if depth > 12:
+        return ("deep", type(value).__name__)
+    if isinstance(value, (type(None), bool, int, float, str, bytes)):
+        return value
+    if isinstance(value, type):
+        return ("class", value.__module__, value.__qualname__)
+    key = id(value)
+    if key in ids:
+        return ("same-as", ids[key][0])
+    ids[key] = (len(ids), value)  # the object is kept: its id cannot be reused while ids lives
+    if isinstance(value, nn.Cell):
+        return ("cell", ids[key][0])  # cells are compared one by one
+    if isinstance(value, ms.Parameter):
+        init_mode = value.init_mode
+        return ("param", type(value).__name__, value.name, tuple(value.shape), str(value.dtype), value.requires_grad,
+                value.has_init, value.layerwise_parallel, value.parallel_optimizer, value.is_init, value.init_flag,
+                value.requires_aggr, value.sliced,
+                comparable(getattr(init_mode, "init", None), ids, depth + 1) if init_mode is not None else None,
+                comparable(vars(value), ids, depth + 1))
+    if isinstance(value, ms.Tensor):
+        if value.has_init:
+            return ("lazy-tensor", tuple(value.shape), str(value.dtype), comparable(value.init, ids, depth + 1))
+        return ("tensor", tuple(value.shape), str(value.dtype), value.asnumpy().tobytes())
+    if isinstance(value, Primitive):
+        return ("primitive", type(value).__qualname__, value.name, comparable(vars(value), ids, depth + 1))
+    if isinstance(value, dict):
+        return (type(value).__name__, [(k, comparable(v, ids, depth + 1)) for k, v in value.items()])
+    if isinstance(value, (list, tuple)):
+        return (type(value).__name__, [comparable(v, ids, depth + 1) for v in value])
+    if isinstance(value, (set, frozenset)):
+        return (type(value).__name__, sorted(repr(comparable(v, ids, depth + 1)) for v in value))
+    if hasattr(value, "__dict__"):
+        return ("object", type(value).__module__, type(value).__qualname__,
+                comparable(vars(value), ids, depth + 1))
+    text = repr(value)
+    if " at 0x" in text:  # an opaque object (e.g. a C++ ParamInfo): its content is compared through its owner
+        return ("opaque", type(value).__qualname__)
+    return ("repr", type(value).__qualname__, text)
+
+
+def model_state(model, skip=(PER_INSTANCE_TIME,)) -> list:
+    """Every cell (preorder, shared ones once): name, class, flags, `__dict__`
+    keys in order and values (cells by position, parameters and primitives by
+    content); `skip`: documented per-instance values."""
+    ids: dict = {}
+    cells = list(model.cells_and_names())
+    for position, (_, cell) in enumerate(cells):
+        ids[id(cell)] = (position, cell)
+    out = []
+    for name, cell in cells:
+        state = [(k, "<per-instance>" if k in skip else comparable(v, ids)) for k, v in vars(cell).items()]
+        mixed = getattr(cell, "get_mixed_precision_type", None)  # C++ side of the cell (flags live in __dict__)
+        out.append((name, type(cell).__qualname__, cell.cls_name, cell._cell_tag,
+                    repr(mixed()) if callable(mixed) else None, state))
+    params = [(n, comparable(p, {})) for n, p in model.parameters_and_names()]
+    return [out, params]
+
+
+def first_difference(a, b, path="") -> str:
+    if type(a) is not type(b):
+        return f"{path}: {type(a).__name__} != {type(b).__name__}"
+    if isinstance(a, (list, tuple)):
+        if len(a) != len(b):
+            return f"{path}: length {len(a)} != {len(b)}"
+        for i, (x, y) in enumerate(zip(a, b)):
+            if x != y:
+                label = x[0] if isinstance(x, tuple) and x and isinstance(x[0], str) else i
+                return first_difference(x, y, f"{path}/{label}")
+    return f"{path}: {a!r:.200} != {b!r:.200}"

@@ -1,0 +1,168 @@
+"""The construction window: which thread builds with the techniques, from
+which cell of its build, and putting everything back when it closes.
+
+Opened by the outermost caller only, under CONSTRUCTION_LOCK; nested windows
+of the same thread join it. The probes open windows of their own (`record`
+False), so a status call never reads as a fast build.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+
+from ...activation import env_int
+
+# A build's first cells are plain; the probes run and the techniques engage at
+# this cell (0: from the first). Below it the probes (~0.2 s) cost more than
+# the techniques save (~0.15 ms a cell): a dense model of a few hundred cells.
+START_ENV_VAR = "MS_LOADPATCH_FAST_CONSTRUCTION_FROM"
+DEFAULT_START = 1000
+
+# The thread whose construction takes the fast paths (None: no window open).
+builder: int | None = None
+depth = 0
+# Cells the last outermost window had built when its techniques engaged (None: never).
+engaged_at: int | None = None
+# What techniques noted about the last recorded window (name -> notes), and
+# whether the window open now is recorded (the probes' windows are not).
+notes: dict[str, dict] = {}
+recording = False
+
+
+def window_open() -> bool:
+    return depth > 0
+
+
+def in_builder() -> bool:
+    """Whether the calling thread is the one building in the open window."""
+    return builder == threading.get_ident()
+
+
+def start_after_cells() -> int:
+    """The cell of a build at which the techniques engage: START_ENV_VAR, else DEFAULT_START."""
+    value = env_int(START_ENV_VAR, minimum=0)
+    return DEFAULT_START if value is None else value
+
+
+class DeferredInstanceCount:
+    """`Cell.total_instance_count += 1` rewrites a class attribute of nn.Cell,
+    and CPython then invalidates the attribute cache of every subclass (some
+    5,000 once mindone is imported): about 36 us per cell. The fast paths
+    count their cells here and add them to the class attribute once, when
+    their technique is uninstalled (the window's `finally`); only its value
+    during the build differs (mindspore reads it when compiling a jit
+    function, not while building)."""
+
+    def __init__(self):
+        self.pending = 0
+
+    def flush(self, cell_class):
+        pending, self.pending = self.pending, 0
+        if pending:
+            cell_class.total_instance_count += pending
+
+
+class _StartCounter:
+    """Counts the cells the building thread makes (a pass-through wrapper of
+    nn.Cell.__init__) and, at the `start`-th, takes itself out and calls
+    `reached()`, which runs the probes (once per process) and installs the
+    techniques for the rest of the build (True when it installed any)."""
+
+    def __init__(self, start, reached):
+        from mindspore import nn
+
+        self.cell_class, self.start, self.reached = nn.Cell, start, reached
+        self.count = 0
+        self.original = self.wrapper = None
+
+    def install(self):
+        original = vars(self.cell_class).get("__init__")
+        if original is None:
+            return False
+        counter = self
+
+        def __init__(cell, *args, **kwargs):
+            global engaged_at
+            if builder == threading.get_ident():
+                counter.count += 1
+                if counter.count >= counter.start and counter.uninstall() and counter.reached():
+                    engaged_at = counter.count
+            return original(cell, *args, **kwargs)
+
+        __init__.__wrapped__ = original
+        __init__.__doc__ = original.__doc__
+        self.original, self.wrapper = original, __init__
+        self.cell_class.__init__ = __init__
+        return True
+
+    def uninstall(self) -> bool:
+        """Puts nn.Cell.__init__ back; False when already done."""
+        if self.wrapper is None:
+            return False
+        if vars(self.cell_class).get("__init__") is self.wrapper:
+            self.cell_class.__init__ = self.original
+        self.wrapper = None
+        return True
+
+
+def counter_left_installed() -> bool:
+    from mindspore import nn
+
+    return "_StartCounter" in getattr(vars(nn.Cell).get("__init__"), "__qualname__", "")
+
+
+def _install_chosen(choose, installed) -> bool:
+    """Runs the probes (outside the open window: they build models of their
+    own) and installs the active techniques into it; True when any was."""
+    global builder, depth, recording
+    saved = builder, depth, recording
+    builder, depth = None, 0
+    try:
+        techniques = choose()
+    finally:
+        builder, depth, recording = saved
+    before = len(installed)
+    for technique in techniques:
+        if technique.install():
+            installed.append(technique)
+    return len(installed) > before
+
+
+@contextlib.contextmanager
+def open_window(choose, start: int = 0, record: bool = True):
+    """Open the building thread's window (the caller holds CONSTRUCTION_LOCK):
+    `choose()` gives the techniques, installed at once when `start` is 0,
+    else once the build has made `start` cells. `record`: the window sets
+    `engaged_at` (the probes' windows do not)."""
+    global builder, depth, engaged_at, recording
+    if depth:
+        if builder != threading.get_ident():  # cannot happen under the lock; never share a window
+            raise RuntimeError("ms_loadpatch: fast construction window opened from two threads")
+        depth += 1
+        try:
+            yield
+        finally:
+            depth -= 1
+        return
+    installed, counter = [], None
+    try:
+        builder = threading.get_ident()
+        depth = 1
+        recording = record
+        if record:
+            engaged_at = None
+            notes.clear()
+        if start > 0:
+            counter = _StartCounter(start, lambda: _install_chosen(choose, installed))
+            counter.install()
+        elif _install_chosen(choose, installed) and record:
+            engaged_at = 0
+        yield
+    finally:
+        depth = 0
+        builder = None
+        if counter is not None:
+            counter.uninstall()
+        for technique in reversed(installed):
+            technique.uninstall()

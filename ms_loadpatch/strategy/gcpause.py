@@ -1,0 +1,69 @@
+"""Cyclic garbage collection paused while models are built and loaded.
+
+Building a many-expert model allocates hundreds of thousands of containers;
+each burst triggers a collection, and the full ones rescan every object of
+the process. One pause, held by construction windows (the gc-pause
+technique) and by whole loads, in any thread: collection resumes when the
+last holder leaves, and only if ms_loadpatch paused it (an application that
+disabled gc itself keeps it disabled). Pausing changes no object.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import threading
+
+from . import switch
+
+NAME = "gc-pause"
+
+_lock = threading.Lock()
+_holders = 0
+_paused = False
+
+
+def hold() -> bool:
+    """One more holder; True when collection is paused by ms_loadpatch."""
+    global _holders, _paused
+    with _lock:
+        if _holders == 0 and gc.isenabled():
+            gc.disable()
+            _paused = True
+        _holders += 1
+        return _paused
+
+
+def release() -> None:
+    global _holders, _paused
+    with _lock:
+        _holders -= 1
+        if _holders == 0 and _paused:
+            _paused = False
+            gc.enable()
+
+
+@contextlib.contextmanager
+def collection_paused_for_load():
+    """The pause over a whole accelerated load: after the build, mindone's
+    key checks, `tie_weights` and `set_train` walk every cell again, and the
+    collections their allocations trigger rescan everything. Yields whether
+    collection is paused; the techniques-off switch leaves gc alone."""
+    if switch.is_off(NAME):
+        yield False
+        return
+    paused = hold()
+    try:
+        yield paused
+    finally:
+        release()
+
+
+def leftovers() -> list[str]:
+    """What a finished load would have left behind (for tests)."""
+    found = []
+    if _holders or _paused:
+        found.append(f"cyclic garbage collection pause held ({_holders} holder(s))")
+    if not gc.isenabled():
+        found.append("gc is disabled")
+    return found
