@@ -8,6 +8,7 @@ where the dtype changes). Every weight is touched before the clock stops.
 
     python benchmarks/bench_transformers.py --size small --repeats 1   # a quick check
     python benchmarks/bench_transformers.py                            # the real one (~3 GB of files)
+    python benchmarks/bench_transformers.py --cases qwen3_moe-fp32-as-fp32,olmoe-fp32-as-fp32  # MoE families
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from ms_loadpatch.tools import bench  # noqa: E402
 
 from common import bench_main, bf16_copy, run_single  # noqa: E402
+from moe_families import families  # noqa: E402
 
 # "full": Qwen2-0.5B's real shape (494M parameters, 2 GB in fp32, 4 shards) and
 # a Mixtral-style MoE with 18.8k tensors (48 layers x 128 experts x 3 + attention).
@@ -49,17 +51,42 @@ CASES = {
     "moe-fp32-as-fp32": ("moe-fp32", "float32"),
     "moe-fp32-as-bf16": ("moe-fp32", "bfloat16"),
 }
+# every MoE family mindone ships, at 24 layers x 128 experts (moe_families.py): not in the default run
+FAMILY_SIZES = {"full": (24, 128), "small": (2, 16)}
+FAMILY_CASES = {f"{family}-fp32-as-fp32": (family, "float32") for family in families()}
+DEFAULT_CASES = list(CASES)
+CASES.update(FAMILY_CASES)
 TARGETS = ("Qwen2-0.5B fp32 >= 20x faster; never slower; within 1.5x of (construct + read + one cast pass); "
-           "peak RSS no higher than unpatched")
+           "peak RSS no higher than unpatched; every MoE family >= 4x (fp32 as fp32)")
+
+
+class _Checkpoints(dict):
+    """Checkpoint name -> directory, each generated (or taken from the cache) when a case first asks for it."""
+
+    def __init__(self, size, progress):
+        super().__init__()
+        self.size, self.progress = size, progress
+
+    def __missing__(self, name):
+        config, size = SIZES[self.size], self.size
+        if name == "qwen2-fp32":
+            path = bench.cached_checkpoint(f"tf-{size}-qwen2", "Qwen2ForCausalLM", config["qwen2"],
+                                           config["qwen2_shard"], progress=self.progress)
+        elif name == "qwen2-bf16":
+            path = bf16_copy(self["qwen2-fp32"])
+        elif name == "moe-fp32":
+            path = bench.cached_checkpoint(f"tf-{size}-moe", "MixtralForCausalLM", config["moe"], config["moe_shard"],
+                                           progress=self.progress)
+        else:  # an MoE family
+            class_name, _, family_config = families(*FAMILY_SIZES[size])[name]
+            path = bench.cached_checkpoint(f"tf-{size}-{name}", class_name, family_config, config["moe_shard"],
+                                           progress=self.progress)
+        self[name] = path
+        return path
 
 
 def generate(size, progress):
-    config = SIZES[size]
-    qwen2 = bench.cached_checkpoint(f"tf-{size}-qwen2", "Qwen2ForCausalLM", config["qwen2"], config["qwen2_shard"],
-                                    progress=progress)
-    moe = bench.cached_checkpoint(f"tf-{size}-moe", "MixtralForCausalLM", config["moe"], config["moe_shard"],
-                                  progress=progress)
-    return {"qwen2-fp32": qwen2, "qwen2-bf16": bf16_copy(qwen2), "moe-fp32": moe}
+    return _Checkpoints(size, progress)
 
 
 def run_case(case, paths, args, progress):
@@ -68,7 +95,7 @@ def run_case(case, paths, args, progress):
 
 
 def main(argv=None) -> int:
-    return bench_main(argv, __doc__, SIZES, CASES, generate, run_case, TARGETS)
+    return bench_main(argv, __doc__, SIZES, CASES, generate, run_case, TARGETS, default_cases=DEFAULT_CASES)
 
 
 if __name__ == "__main__":

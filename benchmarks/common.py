@@ -111,14 +111,15 @@ def run_single(case, path, dtype, args, progress):
     return result
 
 
-def bench_main(argv, doc, sizes, cases, generate, run_case, targets) -> int:
+def bench_main(argv, doc, sizes, cases, generate, run_case, targets, default_cases=None) -> int:
     """The command line of a benchmark script: pick size, repeats and cases,
     generate the checkpoints, run `run_case(case, paths, args, progress)` for
     each, print the summary (and JSON)."""
     parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--size", choices=sizes, default="full")
     parser.add_argument("--repeats", type=int, default=3, help="fresh processes per side and case (median)")
-    parser.add_argument("--cases", default=",".join(cases), help=f"comma-separated subset of {', '.join(cases)}")
+    parser.add_argument("--cases", default=",".join(default_cases or cases),
+                        help=f"comma-separated subset of {', '.join(cases)}")
     parser.add_argument("--json", metavar="FILE", help="also write every result as JSON")
     parser.add_argument("--memory", choices=bench.MEMORY_MODES, default="primed",
                         help="primed (default): fault in and free memory before each timed part, in every process; "

@@ -7,7 +7,7 @@ import threading
 import time
 
 from . import window
-from .technique import ProbeFailed, Technique
+from .technique import ProbeFailed, Technique, cell_method, cell_registration
 
 
 class CellInitTemplate(Technique):
@@ -40,21 +40,8 @@ class CellInitTemplate(Technique):
         self.count = window.DeferredInstanceCount()
 
     def prepare(self):
-        from mindspore import nn
-
-        cell_class = nn.Cell
-        original = vars(cell_class).get("__init__")
-        code = getattr(original, "__code__", None)
-        if code is None:
-            raise ProbeFailed("nn.Cell.__init__ is not a Python function")
-        unknown = sorted(set(code.co_names) - self.KNOWN_NAMES)
-        if unknown:
-            raise ProbeFailed(f"nn.Cell.__init__ refers to {', '.join(unknown)}: side effects this technique does "
-                              "not reproduce")
-        module = original.__globals__
-        for needed in ("Cell_", "cells_compile_cache", "init_pipeline"):
-            if needed not in module:
-                raise ProbeFailed(f"nn.Cell.__init__'s module has no {needed}")
+        cell_class, original = cell_method("__init__", self.KNOWN_NAMES)
+        cell_base, compile_cache, init_pipeline = cell_registration()
 
         class _TemplateCell(cell_class):
             pass
@@ -87,9 +74,7 @@ class CellInitTemplate(Technique):
         self.template = template
         self.fresh = tuple(fresh)
         self.cell_class = cell_class
-        self.cell_base = module["Cell_"]
-        self.compile_cache = module["cells_compile_cache"]
-        self.init_pipeline = module["init_pipeline"]
+        self.cell_base, self.compile_cache, self.init_pipeline = cell_base, compile_cache, init_pipeline
         self.plain_classes.clear()
 
     def _plain(self, cls) -> bool:

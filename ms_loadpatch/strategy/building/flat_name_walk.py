@@ -5,7 +5,7 @@ from __future__ import annotations
 import threading
 
 from . import window
-from .technique import ProbeFailed, Technique
+from .technique import ProbeFailed, Technique, cell_method
 
 
 class FlatNameWalk(Technique):
@@ -23,16 +23,7 @@ class FlatNameWalk(Technique):
                              "name"})
 
     def prepare(self):
-        from mindspore import nn
-
-        cell_class = nn.Cell
-        original = vars(cell_class).get("update_parameters_name")
-        code = getattr(original, "__code__", None)
-        if code is None:
-            raise ProbeFailed("nn.Cell.update_parameters_name is not a Python function")
-        unknown = sorted(set(code.co_names) - self.KNOWN_NAMES)
-        if unknown:
-            raise ProbeFailed(f"nn.Cell.update_parameters_name refers to {', '.join(unknown)}")
+        cell_class, original = cell_method("update_parameters_name", self.KNOWN_NAMES)
         validator = original.__globals__.get("Validator")
         check = getattr(validator, "check_str_and_none_by_regular", None)
         if check is None:

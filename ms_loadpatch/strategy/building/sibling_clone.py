@@ -8,7 +8,7 @@ import time
 from . import window
 from .recipes import SCALARS, RecipeWriter, Unclonable, copy_initializer, same_recipe
 from .state import model_state
-from .technique import ProbeFailed, Technique
+from .technique import ProbeFailed, Technique, cell_registration
 
 
 class SiblingClone(Technique):
@@ -60,18 +60,12 @@ class SiblingClone(Technique):
         from mindspore.common.initializer import Initializer, initializer
         from mindspore.ops.primitive import Primitive
 
-        original = vars(nn.Cell).get("__init__")
-        module = getattr(original, "__globals__", {})
-        for needed in ("Cell_", "cells_compile_cache", "init_pipeline"):
-            if needed not in module:
-                raise ProbeFailed(f"nn.Cell.__init__'s module has no {needed}")
+        self.cell_base, self.compile_cache, self.init_pipeline = cell_registration()
         if "init_attrs" not in vars(Primitive(name="ms_loadpatch_probe")):
             raise ProbeFailed("Primitive keeps no init_attrs")
         self.cell_class, self.parameter_class, self.tensor_class = nn.Cell, ms.Parameter, ms.Tensor
         self.primitive_class, self.initializer_class, self.initializer = Primitive, Initializer, initializer
         self.dtype_class = mstype.Type
-        self.cell_base, self.compile_cache = module["Cell_"], module["cells_compile_cache"]
-        self.init_pipeline = module["init_pipeline"]
 
     # installation: Cell.__init__ notices each class; its own __init__ is wrapped for the window
 

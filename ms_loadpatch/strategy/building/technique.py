@@ -39,3 +39,32 @@ class Technique:
 
     def probe_finished(self, token) -> str | None:
         return None
+
+
+def cell_method(name: str, known_names: frozenset):
+    """(nn.Cell, its own method `name`) for a technique that reproduces the
+    method: it must be a Python function referring to no global name outside
+    `known_names` (any other is a side effect the technique would miss)."""
+    from mindspore import nn
+
+    original = vars(nn.Cell).get(name)
+    code = getattr(original, "__code__", None)
+    if code is None:
+        raise ProbeFailed(f"nn.Cell.{name} is not a Python function")
+    unknown = sorted(set(code.co_names) - known_names)
+    if unknown:
+        raise ProbeFailed(f"nn.Cell.{name} refers to {', '.join(unknown)}: side effects this technique does "
+                          "not reproduce")
+    return nn.Cell, original
+
+
+def cell_registration():
+    """What nn.Cell.__init__ calls to register a cell (Cell_, cells_compile_cache,
+    init_pipeline), from its module, for techniques that make cells themselves."""
+    from mindspore import nn
+
+    module = getattr(vars(nn.Cell).get("__init__"), "__globals__", {})
+    for needed in ("Cell_", "cells_compile_cache", "init_pipeline"):
+        if needed not in module:
+            raise ProbeFailed(f"nn.Cell.__init__'s module has no {needed}")
+    return module["Cell_"], module["cells_compile_cache"], module["init_pipeline"]
