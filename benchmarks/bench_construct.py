@@ -39,7 +39,7 @@ MODELS = {
     # a big dense model: 80 decoder layers (~1.2k cells)
     "dense80": ("Qwen2ForCausalLM", dict(vocab_size=1024, hidden_size=64, num_hidden_layers=80, num_attention_heads=4,
                                          num_key_value_heads=2, intermediate_size=128)),
-    **{family: (class_name, config) for family, (class_name, _, config) in families().items()},
+    **{family: (class_name, config) for family, (class_name, config) in families().items()},
 }
 FAMILIES = list(families())
 

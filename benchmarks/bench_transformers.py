@@ -78,7 +78,7 @@ class _Checkpoints(dict):
             path = bench.cached_checkpoint(f"tf-{size}-moe", "MixtralForCausalLM", config["moe"], config["moe_shard"],
                                            progress=self.progress)
         else:  # an MoE family
-            class_name, _, family_config = families(*FAMILY_SIZES[size])[name]
+            class_name, family_config = families(*FAMILY_SIZES[size])[name]
             path = bench.cached_checkpoint(f"tf-{size}-{name}", class_name, family_config, config["moe_shard"],
                                            progress=self.progress)
         self[name] = path

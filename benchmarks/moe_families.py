@@ -1,32 +1,146 @@
 """Many-expert configs with small hidden sizes for every MoE family mindone
 ships (its `transformers.models`), for bench_construct.py and
-bench_transformers.py: each family's own config class, `layers` decoder
+bench_transformers.py, with each family's own config class: `layers` decoder
 layers of `experts` routed experts (shared experts where the family has
 them). Families whose experts are one fused parameter (granitemoe,
 granitemoeshared, jetmoe, dbrx) get at least 64 layers, to pass 1000 cells."""
 
 from __future__ import annotations
 
-
 COMMON = dict(vocab_size=128, hidden_size=32, num_attention_heads=4, num_key_value_heads=2)
 
 
 def families(layers=24, experts=128) -> dict:
-    """family -> (mindone class name, config class name, keyword arguments)"""
+    """family -> (mindone class name, its config class's keyword arguments)"""
     E, L = experts, layers
     F = max(layers, 64)  # experts fused into one parameter: ~16 cells a layer, more layers to pass 1000 cells
     return {
-        "mixtral": ("MixtralForCausalLM", "MixtralConfig", dict(**COMMON, num_hidden_layers=F, intermediate_size=16, num_local_experts=E)),
-        "qwen3_moe": ("Qwen3MoeForCausalLM", "Qwen3MoeConfig", dict(**COMMON, num_hidden_layers=F, intermediate_size=64, moe_intermediate_size=16, num_experts=E, num_experts_per_tok=2, head_dim=8)),
-        "qwen2_moe": ("Qwen2MoeForCausalLM", "Qwen2MoeConfig", dict(**COMMON, num_hidden_layers=F, intermediate_size=64, moe_intermediate_size=16, shared_expert_intermediate_size=32, num_experts=E, num_experts_per_tok=2)),
-        "olmoe": ("OlmoeForCausalLM", "OlmoeConfig", dict(**COMMON, num_hidden_layers=F, intermediate_size=16, num_experts=E, num_experts_per_tok=2)),
-        "phimoe": ("PhimoeForCausalLM", "PhimoeConfig", dict(**COMMON, num_hidden_layers=F, intermediate_size=16, num_local_experts=E)),
-        "deepseek_v2": ("DeepseekV2ForCausalLM", "DeepseekV2Config", dict(**COMMON, num_hidden_layers=F, intermediate_size=64, moe_intermediate_size=16, n_routed_experts=E, n_shared_experts=1, num_experts_per_tok=2, first_k_dense_replace=0, kv_lora_rank=16, q_lora_rank=None, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8, n_group=1, topk_group=1)),
-        "granitemoe": ("GraniteMoeForCausalLM", "GraniteMoeConfig", dict(**COMMON, num_hidden_layers=F, intermediate_size=16, num_local_experts=E, num_experts_per_tok=2)),
-        "granitemoeshared": ("GraniteMoeSharedForCausalLM", "GraniteMoeSharedConfig", dict(**COMMON, num_hidden_layers=F, intermediate_size=16, shared_intermediate_size=32, num_local_experts=E, num_experts_per_tok=2)),
-        "jetmoe": ("JetMoeForCausalLM", "JetMoeConfig", dict(vocab_size=128, hidden_size=32, num_key_value_heads=2, kv_channels=8, num_hidden_layers=F, intermediate_size=16, num_local_experts=E, num_experts_per_tok=2)),
-        "dbrx": ("DbrxForCausalLM", "DbrxConfig", dict(vocab_size=128, d_model=32, n_heads=4, n_layers=F, attn_config={"kv_n_heads": 2}, ffn_config={"ffn_hidden_size": 16, "moe_num_experts": E, "moe_top_k": 2})),
-        "ernie4_5_moe": ("Ernie4_5_MoeForCausalLM", "Ernie4_5_MoeConfig", dict(**COMMON, num_hidden_layers=F, intermediate_size=64, moe_intermediate_size=16, moe_num_experts=E, moe_k=2, moe_layer_start_index=0, moe_num_shared_experts=1)),
-        "glm4_moe": ("Glm4MoeForCausalLM", "Glm4MoeConfig", dict(**COMMON, num_hidden_layers=F, intermediate_size=64, moe_intermediate_size=16, n_routed_experts=E, n_shared_experts=1, num_experts_per_tok=2, first_k_dense_replace=0, n_group=1, topk_group=1, head_dim=8)),
-        "hunyuan_v1_moe": ("HunYuanMoEV1ForCausalLM", "HunYuanMoEV1Config", dict(**COMMON, num_hidden_layers=F, intermediate_size=16, num_experts=E, moe_topk=2, head_dim=8)),
+        "mixtral": (
+            "MixtralForCausalLM",
+            dict(**COMMON, num_hidden_layers=L, intermediate_size=16, num_local_experts=E),
+        ),
+        "qwen3_moe": (
+            "Qwen3MoeForCausalLM",
+            dict(
+                **COMMON,
+                num_hidden_layers=L,
+                intermediate_size=64,
+                moe_intermediate_size=16,
+                num_experts=E,
+                num_experts_per_tok=2,
+                head_dim=8,
+            ),
+        ),
+        "qwen2_moe": (
+            "Qwen2MoeForCausalLM",
+            dict(
+                **COMMON,
+                num_hidden_layers=L,
+                intermediate_size=64,
+                moe_intermediate_size=16,
+                shared_expert_intermediate_size=32,
+                num_experts=E,
+                num_experts_per_tok=2,
+            ),
+        ),
+        "olmoe": (
+            "OlmoeForCausalLM",
+            dict(**COMMON, num_hidden_layers=L, intermediate_size=16, num_experts=E, num_experts_per_tok=2),
+        ),
+        "phimoe": (
+            "PhimoeForCausalLM",
+            dict(**COMMON, num_hidden_layers=L, intermediate_size=16, num_local_experts=E),
+        ),
+        "deepseek_v2": (
+            "DeepseekV2ForCausalLM",
+            dict(
+                **COMMON,
+                num_hidden_layers=L,
+                intermediate_size=64,
+                moe_intermediate_size=16,
+                n_routed_experts=E,
+                n_shared_experts=1,
+                num_experts_per_tok=2,
+                first_k_dense_replace=0,
+                kv_lora_rank=16,
+                q_lora_rank=None,
+                qk_rope_head_dim=8,
+                qk_nope_head_dim=8,
+                v_head_dim=8,
+                n_group=1,
+                topk_group=1,
+            ),
+        ),
+        "granitemoe": (
+            "GraniteMoeForCausalLM",
+            dict(**COMMON, num_hidden_layers=F, intermediate_size=16, num_local_experts=E, num_experts_per_tok=2),
+        ),
+        "granitemoeshared": (
+            "GraniteMoeSharedForCausalLM",
+            dict(
+                **COMMON,
+                num_hidden_layers=F,
+                intermediate_size=16,
+                shared_intermediate_size=32,
+                num_local_experts=E,
+                num_experts_per_tok=2,
+            ),
+        ),
+        "jetmoe": (
+            "JetMoeForCausalLM",
+            dict(
+                vocab_size=128,
+                hidden_size=32,
+                num_key_value_heads=2,
+                kv_channels=8,
+                num_hidden_layers=F,
+                intermediate_size=16,
+                num_local_experts=E,
+                num_experts_per_tok=2,
+            ),
+        ),
+        "dbrx": (
+            "DbrxForCausalLM",
+            dict(
+                vocab_size=128,
+                d_model=32,
+                n_heads=4,
+                n_layers=F,
+                attn_config={"kv_n_heads": 2},
+                ffn_config={"ffn_hidden_size": 16, "moe_num_experts": E, "moe_top_k": 2},
+            ),
+        ),
+        "ernie4_5_moe": (
+            "Ernie4_5_MoeForCausalLM",
+            dict(
+                **COMMON,
+                num_hidden_layers=L,
+                intermediate_size=64,
+                moe_intermediate_size=16,
+                moe_num_experts=E,
+                moe_k=2,
+                moe_layer_start_index=0,
+                moe_num_shared_experts=1,
+            ),
+        ),
+        "glm4_moe": (
+            "Glm4MoeForCausalLM",
+            dict(
+                **COMMON,
+                num_hidden_layers=L,
+                intermediate_size=64,
+                moe_intermediate_size=16,
+                n_routed_experts=E,
+                n_shared_experts=1,
+                num_experts_per_tok=2,
+                first_k_dense_replace=0,
+                n_group=1,
+                topk_group=1,
+                head_dim=8,
+            ),
+        ),
+        "hunyuan_v1_moe": (
+            "HunYuanMoEV1ForCausalLM",
+            dict(**COMMON, num_hidden_layers=L, intermediate_size=16, num_experts=E, moe_topk=2, head_dim=8),
+        ),
     }

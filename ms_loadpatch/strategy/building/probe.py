@@ -192,8 +192,6 @@ def _prepare(technique) -> str | None:
 
 def _compare(techniques) -> str | None:
     """None when the probe model built with `techniques` equals the plain one."""
-    import numpy as np
-
     try:
         ref_state, ref_delta, ref_registered, ref_output = _plain_reference()
         tokens = [t.probe_started() for t in techniques]
