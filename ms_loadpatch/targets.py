@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import dataclasses
 
-_MINDONE_05 = {"mindone": ">=0.5.0,<0.6"}
+from .versions import SUPPORTED
+
+_SUPPORTED_MINDONE = {"mindone": str(SUPPORTED["mindone"])}
 
 _TF = "mindone.transformers.modeling_utils"
 _DF = "mindone.diffusers.models.modeling_utils"
@@ -25,7 +27,7 @@ class Target:
     module: str
     path: str  # attribute path inside the module, e.g. "PreTrainedModel.from_pretrained"
     wrapper: str  # "module:function" taking (wrapped, instance, args, kwargs)
-    requires: dict = dataclasses.field(default_factory=lambda: dict(_MINDONE_05))
+    requires: dict = dataclasses.field(default_factory=lambda: dict(_SUPPORTED_MINDONE))
     # "function": wrapt.FunctionWrapper(original, wrapper); "proxy": `wrapper` is a
     # factory returning a wrapt.ObjectProxy of the original (for a non-callable)
     kind: str = "function"
