@@ -280,12 +280,12 @@ def test_files_read_ahead(ckpts, tmp_path, monkeypatch, layout, kwargs):
     read_ahead = []
 
     def only_predicted_files(ctx, file):
-        prefetcher = ctx.cache.get("prefetcher")
+        prefetcher = ctx.state.prefetcher
         if prefetcher is None or not prefetcher.predicted(file):
             raise AssertionError(f"{file} was not predicted by the read-ahead")
         taken = prefetcher.take(file)
         if taken is None:  # its read had not started: read here, as take_or_read does
-            return read_file(file, ctx.cache.get("cast_plan"))
+            return read_file(file, ctx.state.cast_plan)
         read_ahead.append(file)
         return taken
 

@@ -74,7 +74,7 @@ def _modeling_utils():
 def _active():
     """The current load context if it is an accelerated diffusers load."""
     ctx = context.current()
-    if ctx is not None and ctx.report.library == _LIBRARY and not ctx.cache.get("passthrough"):
+    if ctx is not None and ctx.report.library == _LIBRARY and not ctx.state.fallback_reason:
         return ctx
     return None
 
@@ -111,13 +111,13 @@ def _accelerated_from_pretrained(wrapped, instance, args, kwargs):
         plan = CastPlan.for_dtype(requested) if isinstance(requested, ms.Type) else None
         if plan is not None:
             report.technique += f", cast to {plan.target} while reading"
-        ctx.cache["cast_at_read"] = CastRegistry()
+        ctx.state.cast_at_read = CastRegistry()
         start_prefetch(ctx, _local_checkpoint_files(args, kwargs), plan)  # closed with the load context
         result = wrapped(*args, **kwargs)
         model = result[0] if isinstance(result, tuple) else result
-        if ctx.cache.get("passthrough"):
-            report.technique = f"fallback to mindone: {ctx.cache['passthrough']}"
-        elif not ctx.cache.get("load_done"):
+        if ctx.state.fallback_reason:
+            report.technique = f"fallback to mindone: {ctx.state.fallback_reason}"
+        elif not ctx.state.load_done:
             report.technique = "fallback to mindone: its loading path did not run"
         else:
             with report.phase("init-missing"):
@@ -217,10 +217,10 @@ def load_pretrained_model(wrapped, instance, args, kwargs):
             reason = "parameter names differ from their structural names"
     if reason is not None:
         logger.debug("ms_loadpatch: %s loads unpatched: %s", type(model).__name__, reason)
-        ctx.cache["passthrough"] = reason
+        ctx.state.fallback_reason = reason
         state_dict = args[1] if len(args) > 1 else kwargs.get("state_dict")
         if state_dict:  # read by our load_state_dict as tensors; mindone's loader wants Parameters of the file's values
-            registry = ctx.cache["cast_at_read"]
+            registry = ctx.state.cast_at_read
             state_dict = {k: v if isinstance(v, ms.Parameter) else ms.Parameter(registry.as_in_file(v, ctx.report),
                                                                                   name=k)
                           for k, v in state_dict.items()}
@@ -229,12 +229,12 @@ def load_pretrained_model(wrapped, instance, args, kwargs):
             else:
                 kwargs = dict(kwargs, state_dict=state_dict)
         return wrapped(*args, **kwargs)
-    ctx.cache["index"] = (model, index)
+    ctx.state.parameter_index = (model, index)
     result = wrapped(*args, **kwargs)
     loaded_keys = args[4] if len(args) > 4 else kwargs.get("loaded_keys")
     if len(paths) > 1:
         _check_index_against_shards(ctx, paths, loaded_keys)
-    ctx.cache["load_done"] = True
+    ctx.state.load_done = True
     return result
 
 
@@ -242,7 +242,7 @@ def _check_index_against_shards(ctx, paths, loaded_keys) -> None:
     """A tensor the index lists but no shard read holds (an index mapping it
     to the wrong file): mindone leaves that weight lazy, to be randomly
     initialised, without a word. Refuse, naming the file the index points to."""
-    read = ctx.cache.get("keys_read", set())
+    read = ctx.state.keys_read
     unread = [key for key in loaded_keys or () if key not in read]
     if not unread:
         return
@@ -263,15 +263,15 @@ def load_shard_file(wrapped, instance, args, kwargs):
     """modeling_utils' `_load_shard_file`: read (or take the prefetched) shard
     and assign it with O(1) bookkeeping instead of load_param_into_net."""
     ctx = _active()
-    if ctx is None or "index" not in ctx.cache:
+    if ctx is None or ctx.state.parameter_index is None:
         return wrapped(*args, **kwargs)
     shard_file = args[0] if args else kwargs["shard_file"]
     model = kwargs["model"]
-    owner, index = ctx.cache["index"]
+    owner, index = ctx.state.parameter_index
     if owner is not model:
         return wrapped(*args, **kwargs)
     if isinstance(shard_file, dict):  # a single file, read by load_state_dict
-        state_dict, path = shard_file, ctx.cache.get("last_file")
+        state_dict, path = shard_file, ctx.state.last_file
     else:
         state_dict = _tensors(ctx, *_read(ctx, shard_file))
         path = shard_file
@@ -284,7 +284,7 @@ def load_shard_file(wrapped, instance, args, kwargs):
             try:
                 _assign(ctx, index, state_dict, kwargs.get("dtype"), kwargs.get("keep_in_fp32_modules"))
             finally:
-                ctx.cache["cast_at_read"].clear()  # tensors not assigned (unexpected keys) are freed
+                ctx.state.cast_at_read.clear()  # tensors not assigned (unexpected keys) are freed
     return kwargs.get("offload_index"), kwargs.get("state_dict_index"), mismatched_keys, []
 
 
@@ -306,7 +306,7 @@ def convert_state_dict(wrapped, instance, args, kwargs):
             name_ms, function = mapping
             mapped = _mapped(function, data_pt, name_pt)
             if mapped is not data_pt:  # transformed (Conv1d): from the file's values, as unpatched
-                in_file = ctx.cache["cast_at_read"].as_in_file(data_pt, ctx.report)
+                in_file = ctx.state.cast_at_read.as_in_file(data_pt, ctx.report)
                 mapped = mapped if in_file is data_pt else _mapped(function, in_file, name_pt)
             data_pt = mapped
         if name_ms is not None:
@@ -372,7 +372,7 @@ def _mapped(function, tensor, name):
 def _tensors(ctx, arrays, cast_at_read) -> dict:
     """name -> Tensor sharing each array; those cast while reading listed in the load's registry."""
     tensors = {name: to_tensor(array) for name, array in arrays.items()}
-    ctx.cache["cast_at_read"].add(tensors, cast_at_read)
+    ctx.state.cast_at_read.add(tensors, cast_at_read)
     return tensors
 
 
@@ -384,8 +384,8 @@ def _read(ctx, path):
         arrays, _metadata, cast_at_read = take_or_read(ctx, path)
     ctx.report.tensors_read += len(arrays)
     ctx.report.shards += 1
-    ctx.cache.setdefault("keys_read", set()).update(arrays)  # checked against the index
-    ctx.cache["last_file"] = os.fspath(path)  # named in errors about its tensors
+    ctx.state.keys_read.update(arrays)  # checked against the index
+    ctx.state.last_file = os.fspath(path)  # named in errors about its tensors
     return arrays, cast_at_read
 
 
@@ -404,7 +404,7 @@ def _parameter_index(model):
 def _assign(ctx, index, state_dict, dtype, keep_in_fp32_modules) -> None:
     """What mindone's _load_state_dict_into_model + load_param_into_net +
     model.to(dtype) leave in each parameter, with one cast at most."""
-    report, registry = ctx.report, ctx.cache["cast_at_read"]
+    report, registry = ctx.report, ctx.state.cast_at_read
     for key, value in state_dict.items():
         entry = index.get(key)
         if entry is None:  # unexpected key: mindone's loader ignores it too

@@ -74,10 +74,10 @@ def _accelerated_from_pretrained(wrapped, instance, args, kwargs):
             plan = CastPlan.for_dtype(requested)
             if plan is not None:
                 report.technique += f", cast to {plan.target} while reading"
-            ctx.cache["cast_at_read"] = CastRegistry()
+            ctx.state.cast_at_read = CastRegistry()
             start_prefetch(ctx, _local_checkpoint_files(args, kwargs), plan)
             result = wrapped(*args, **kwargs)
-            if not ctx.cache.get("load_done"):
+            if not ctx.state.load_done:
                 model = result[0] if isinstance(result, tuple) else result
                 raise RuntimeError(
                     f"ms_loadpatch: {type(model).__name__} was built lazily but mindone's loading path did not run; "
@@ -186,10 +186,10 @@ def load_state_dict(wrapped, instance, args, kwargs):
         return {name: ms.Parameter(to_tensor(array), name=name) for name, array in arrays.items()}
     ctx.report.tensors_read += len(arrays)
     ctx.report.shards += 1
-    ctx.cache["last_file"] = os.fspath(checkpoint_file)  # named in a shape-mismatch error
-    ctx.cache.setdefault("keys_read", set()).update(arrays)  # checked against the index
+    ctx.state.last_file = os.fspath(checkpoint_file)  # named in a shape-mismatch error
+    ctx.state.keys_read.update(arrays)  # checked against the index
     tensors = {name: to_tensor(array) for name, array in arrays.items()}
-    ctx.cache["cast_at_read"].add(tensors, cast_at_read)
+    ctx.state.cast_at_read.add(tensors, cast_at_read)
     return tensors
 
 
@@ -234,7 +234,7 @@ def load_pretrained_model(wrapped, instance, args, kwargs):
     model = result[0]
     with ctx.report.phase("init-missing"):
         ctx.report.cells_reinitialised = initialize_unloaded(model, ctx.loaded, _initializer_for)
-    ctx.cache["load_done"] = True
+    ctx.state.load_done = True
     ctx.loaded.clear()
     return result
 
@@ -245,7 +245,7 @@ def _check_index_against_shards(ctx, files, sharded_metadata) -> None:
     without a word. Refuse, naming the file the index points to and the key."""
     if not sharded_metadata or not isinstance(files, list):
         return
-    read = ctx.cache.get("keys_read", set())
+    read = ctx.state.keys_read
     weight_map = sharded_metadata.get("weight_map") or {}
     for key in sharded_metadata.get("all_checkpoint_keys", ()):
         if key not in read:
@@ -266,13 +266,13 @@ def convert_state_dict(wrapped, instance, args, kwargs):
     if not state_dict_pt:
         return state_dict_pt
     with ctx.report.phase("convert-keys"):
-        key = ("convert", id(model))
-        if key not in ctx.cache:
-            model_keys = ctx.cache.get(("state_keys", id(model)))  # from the key check's walk
+        conversions = ctx.state.key_conversion
+        if id(model) not in conversions:
+            model_keys = ctx.state.model_keys.get(id(model))  # from the key check's walk
             if model_keys is None:
                 model_keys = set(model.state_dict().keys())
-            ctx.cache[key] = (_modeling_utils()._get_pt2ms_mappings(model), model_keys)
-        mappings, model_keys = ctx.cache[key]
+            conversions[id(model)] = (_modeling_utils()._get_pt2ms_mappings(model), model_keys)
+        mappings, model_keys = conversions[id(model)]
         identity = (None, None)
         length = len(prefix) + 1
         converted = {}
@@ -294,7 +294,7 @@ def convert_state_dict(wrapped, instance, args, kwargs):
             if mapping is not None:
                 mapped = _mapped(mapping, data_pt, name_pt)
                 if mapped is not data_pt:  # transformed (Conv1d): the file's values
-                    in_file = ctx.cache["cast_at_read"].as_in_file(data_pt, ctx.report)
+                    in_file = ctx.state.cast_at_read.as_in_file(data_pt, ctx.report)
                     mapped = mapped if in_file is data_pt else _mapped(mapping, in_file, name_pt)
                 data_pt = mapped
             if name_ms is not None:
@@ -316,19 +316,19 @@ def load_state_dict_into_model(wrapped, instance, args, kwargs):
     model_to_load, state_dict = args[0], args[1]
     start_prefix = args[2] if len(args) > 2 else kwargs.get("start_prefix", "")
     with ctx.report.phase("assign"):
-        key = ("index", id(model_to_load))
-        if key not in ctx.cache:
+        indexes = ctx.state.assign_index
+        if id(model_to_load) not in indexes:
             as_load_state_dict_leaves_it(model_to_load)
-            ctx.cache[key] = state_index(model_to_load)
+            indexes[id(model_to_load)] = state_index(model_to_load)
         try:
-            pairs = check_and_pair(ctx.cache[key], state_dict, model_to_load.__class__.__name__)
+            pairs = check_and_pair(indexes[id(model_to_load)], state_dict, model_to_load.__class__.__name__)
         except RuntimeError as exc:
-            if "last_file" not in ctx.cache:
+            if ctx.state.last_file is None:
                 raise
-            raise RuntimeError(f"{exc}\n\t(checkpoint file: {ctx.cache['last_file']})") from None
-        registry = ctx.cache["cast_at_read"]
+            raise RuntimeError(f"{exc}\n\t(checkpoint file: {ctx.state.last_file})") from None
+        registry = ctx.state.cast_at_read
         try:
-            with file_named(ctx.cache.get("last_file")):
+            with file_named(ctx.state.last_file):
                 assign(pairs, ctx.loaded, ctx.report, registry)
         finally:
             registry.clear()  # tensors mindone dropped (unexpected keys) are freed
@@ -345,20 +345,20 @@ def find_missing_and_unexpected_keys(wrapped, instance, args, kwargs):
     ctx = context.current()
     if ctx is None or not args:
         return wrapped(*args, **kwargs)
-    return wrapped(_KeepsStateKeys(args[0], ctx.cache), *args[1:], **kwargs)
+    return wrapped(_KeepsStateKeys(args[0], ctx.state.model_keys), *args[1:], **kwargs)
 
 
 class _KeepsStateKeys(wrapt.ObjectProxy):
-    """The model, whose argument-less state_dict() also records its key set."""
+    """The model, whose argument-less state_dict() also records its key set in `model_keys` (by id)."""
 
-    def __init__(self, model, cache: dict):
+    def __init__(self, model, model_keys: dict):
         super().__init__(model)
-        self._self_cache = cache
+        self._self_model_keys = model_keys
 
     def state_dict(self, *args, **kwargs):
         result = self.__wrapped__.state_dict(*args, **kwargs)
         if not args and not kwargs:
-            self._self_cache[("state_keys", id(self.__wrapped__))] = set(result)
+            self._self_model_keys[id(self.__wrapped__)] = set(result)
         return result
 
 
