@@ -28,6 +28,7 @@ import wrapt  # noqa: E402
 from mindspore import mint, ops  # noqa: E402
 
 import ms_loadpatch  # noqa: E402
+from ms_loadpatch.glue import common as glue_common  # noqa: E402
 from ms_loadpatch.glue import diffusers as glue  # noqa: E402
 from ms_loadpatch.strategy import context  # noqa: E402
 from ms_loadpatch.strategy.prefetch import read_file  # noqa: E402
@@ -289,7 +290,7 @@ def test_files_read_ahead(ckpts, tmp_path, monkeypatch, layout, kwargs):
         read_ahead.append(file)
         return taken
 
-    monkeypatch.setattr(glue, "take_or_read", only_predicted_files)
+    monkeypatch.setattr(glue_common, "take_or_read", only_predicted_files)
     with ms_loadpatch.enabled():
         accelerated = D.UNet2DConditionModel.from_pretrained(path, **kwargs)
     assert read_ahead, "no file came from the read-ahead"

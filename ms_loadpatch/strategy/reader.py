@@ -331,6 +331,57 @@ def named_safetensors_error(path, original: Exception) -> SafetensorsFileError |
     return SafetensorsFileError(path, problem, key)
 
 
+def exception_naming_file(exc: Exception, path, key: str | None = None, reason=None) -> Exception | None:
+    """An exception of `exc`'s type whose message adds the checkpoint file
+    (and tensor) it is about, or `reason` (a message naming them), for the
+    caller to raise `from exc`; None when the message says it already, or
+    when that type cannot be built from a message (then a note on `exc` says it)."""
+    path = os.fspath(path)
+    if reason is not None:
+        where = str(reason)
+        if where in str(exc):
+            return None
+    else:
+        if path in str(exc):
+            return None
+        where = f"checkpoint file: {path}" + (f", tensor {key!r}" if key is not None else "")
+    try:
+        if isinstance(exc, OSError) and exc.errno is not None and not exc.filename and reason is None:
+            tensor = f" (tensor {key!r})" if key is not None else ""
+            better = type(exc)(exc.errno, f"{exc.strerror}{tensor}", path)  # "[Errno N] ...: 'path'"
+        else:
+            better = type(exc)(f"{exc} ({where})")
+    except Exception:  # noqa: BLE001 - a type with its own constructor
+        if hasattr(exc, "add_note"):  # Python 3.11+
+            exc.add_note(where)
+        return None
+    return better
+
+
+@contextlib.contextmanager
+def file_named_in_errors(path, key: str | None = None, reason=None):
+    """An Exception escaping the block names the checkpoint file `path` (or
+    says `reason`; see exception_naming_file), chained from the original;
+    BaseExceptions (KeyboardInterrupt) pass as they are."""
+    try:
+        yield
+    except Exception as exc:
+        better = exception_naming_file(exc, path, key, reason) if path is not None else None
+        if better is None:
+            raise
+        raise better from exc
+
+
+def safe_open_error_naming_file(exc: Exception, path) -> Exception | None:
+    """What to raise instead of `exc`, met checking `path` with safetensors'
+    safe_open, whose errors name neither the file nor, often, the problem
+    ("header too large" for a git-lfs pointer): the same type, saying both;
+    None for errors that are not about reading it."""
+    if isinstance(exc, (OSError, MemoryError)) and not isinstance(exc, SafetensorError):
+        return exception_naming_file(exc, path)  # e.g. ENOMEM from its memory map
+    return named_safetensors_error(path, exc)
+
+
 def read_header(path) -> SafetensorsHeader:
     with _os_errors_named(path), open(path, "rb") as f:
         return read_header_from(f, path)
