@@ -219,7 +219,7 @@ def _weight_map(paths) -> dict:
                 with open(os.path.join(directory, name)) as f:
                     weight_map.update(json.load(f)["weight_map"])
     shards = {os.path.basename(os.fspath(p)) for p in paths}
-    return {key: shard for key, shard in weight_map.items() if shard in shards}
+    return {key: shard for key, shard in weight_map.items() if isinstance(shard, str) and shard in shards}
 
 
 def load_shard_file(wrapped, instance, args, kwargs):
