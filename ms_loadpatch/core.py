@@ -156,7 +156,7 @@ class _Patcher:
         for target in self._targets_of(module.__name__):
             if target.key in self._handles:
                 continue
-            reason = versions.requirement_met(target.requires, target.library, target.feature)
+            reason = versions.unmet_requirement(target.requires, target.library, target.feature)
             if reason is not None and reason.startswith(versions.NOT_NEEDED_PREFIX):
                 self._states[target.key] = (NOT_NEEDED, reason[len(versions.NOT_NEEDED_PREFIX):])
                 continue

@@ -11,13 +11,16 @@ from __future__ import annotations
 
 import dataclasses
 
-_MINDONE_05 = {"mindone": ">=0.5.0,<0.6"}
+from .versions import SUPPORTED
+
+_SUPPORTED_MINDONE = {"mindone": str(SUPPORTED["mindone"])}
 
 _TF = "mindone.transformers.modeling_utils"
 _DF = "mindone.diffusers.models.modeling_utils"
 _DF_LOADING = "mindone.diffusers.models.model_loading_utils"
 _TF_GLUE = "ms_loadpatch.glue.transformers"
 _DF_GLUE = "ms_loadpatch.glue.diffusers"
+_GLUE = "ms_loadpatch.glue.common"  # wrappers both libraries share
 
 
 @dataclasses.dataclass(frozen=True)
@@ -25,7 +28,7 @@ class Target:
     module: str
     path: str  # attribute path inside the module, e.g. "PreTrainedModel.from_pretrained"
     wrapper: str  # "module:function" taking (wrapped, instance, args, kwargs)
-    requires: dict = dataclasses.field(default_factory=lambda: dict(_MINDONE_05))
+    requires: dict = dataclasses.field(default_factory=lambda: dict(_SUPPORTED_MINDONE))
     # "function": wrapt.FunctionWrapper(original, wrapper); "proxy": `wrapper` is a
     # factory returning a wrapt.ObjectProxy of the original (for a non-callable)
     kind: str = "function"
@@ -49,9 +52,9 @@ class Target:
 TARGETS: tuple[Target, ...] = (
     # mindone.transformers
     Target(_TF, "PreTrainedModel.from_pretrained", f"{_TF_GLUE}:from_pretrained", public=True),
-    Target(_TF, "PreTrainedModel._from_config", f"{_TF_GLUE}:from_config", public=True),
-    Target(_TF, "ModuleUtilsMixin.half", f"{_TF_GLUE}:half", public=True),
-    Target(_TF, "ModuleUtilsMixin.float", f"{_TF_GLUE}:float_", public=True),
+    Target(_TF, "PreTrainedModel._from_config", f"{_GLUE}:from_config", public=True),
+    Target(_TF, "ModuleUtilsMixin.half", f"{_GLUE}:half", public=True),
+    Target(_TF, "ModuleUtilsMixin.float", f"{_GLUE}:float_", public=True),
     Target(_TF, "ModuleUtilsMixin.to", f"{_TF_GLUE}:to", public=True),
     Target(_TF, "load_state_dict", f"{_TF_GLUE}:load_state_dict", public=True),
     # mindspore 2.10+'s nn.Cell.to, which models resolve before ModuleUtilsMixin.to
@@ -69,8 +72,8 @@ TARGETS: tuple[Target, ...] = (
     Target(_TF, "gc", f"{_TF_GLUE}:GcWithoutPerShardCollect", kind="proxy"),
     # mindone.diffusers
     Target(_DF, "ModelMixin.from_pretrained", f"{_DF_GLUE}:from_pretrained", public=True),
-    Target(_DF, "ModelMixin.half", f"{_DF_GLUE}:half", public=True),
-    Target(_DF, "ModelMixin.float", f"{_DF_GLUE}:float_", public=True),
+    Target(_DF, "ModelMixin.half", f"{_GLUE}:half", public=True),
+    Target(_DF, "ModelMixin.float", f"{_GLUE}:float_", public=True),
     Target(_DF, "ModelMixin.to", f"{_DF_GLUE}:to", public=True),
     Target(_DF_LOADING, "load_state_dict", f"{_DF_GLUE}:load_state_dict", public=True),
     # ...and every module that binds diffusers' load_state_dict by name
@@ -78,7 +81,7 @@ TARGETS: tuple[Target, ...] = (
     Target("mindone.diffusers.loaders.lora_base", "load_state_dict", f"{_DF_GLUE}:load_state_dict"),
     Target("mindone.diffusers.loaders.single_file_utils", "load_state_dict", f"{_DF_GLUE}:load_state_dict"),
     # construction outside from_pretrained waits for any lazy-construction window
-    Target("mindone.diffusers.configuration_utils", "ConfigMixin.from_config", f"{_DF_GLUE}:from_config",
+    Target("mindone.diffusers.configuration_utils", "ConfigMixin.from_config", f"{_GLUE}:from_config",
            public=True),
     # internals of its loading path, active only inside an accelerated from_pretrained
     Target(_DF, "no_init_parameters", f"{_DF_GLUE}:no_init_parameters"),

@@ -100,8 +100,9 @@ def check() -> GateResult:
     return GateResult(versions, refusal, tuple(untested))
 
 
-def requirement_met(requires: dict[str, str], library: str | None = None, feature: str | None = None) -> str | None:
-    """None when a target may be patched, else the reason it is skipped.
+def unmet_requirement(requires: dict[str, str], library: str | None = None, feature: str | None = None) -> str | None:
+    """Why a target is skipped (the first requirement it does not meet), or
+    None when it may be patched.
 
     Every `distribution -> specifier` in `requires` must hold, and, once
     mindspore is imported (always the case when a mindone module is, which is
@@ -124,7 +125,7 @@ def requirement_met(requires: dict[str, str], library: str | None = None, featur
     return None
 
 
-# A requirement_met() reason with this prefix: the target is not needed here.
+# An unmet_requirement() reason with this prefix: the target is not needed here.
 NOT_NEEDED_PREFIX = "not needed: "
 # Optional mindspore features a target exists for: name -> what lacking it means.
 FEATURES = {

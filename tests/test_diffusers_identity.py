@@ -28,6 +28,7 @@ import wrapt  # noqa: E402
 from mindspore import mint, ops  # noqa: E402
 
 import ms_loadpatch  # noqa: E402
+from ms_loadpatch.glue import common as glue_common  # noqa: E402
 from ms_loadpatch.glue import diffusers as glue  # noqa: E402
 from ms_loadpatch.strategy import context  # noqa: E402
 from ms_loadpatch.strategy.prefetch import read_file  # noqa: E402
@@ -280,16 +281,16 @@ def test_files_read_ahead(ckpts, tmp_path, monkeypatch, layout, kwargs):
     read_ahead = []
 
     def only_predicted_files(ctx, file):
-        prefetcher = ctx.cache.get("prefetcher")
+        prefetcher = ctx.state.prefetcher
         if prefetcher is None or not prefetcher.predicted(file):
             raise AssertionError(f"{file} was not predicted by the read-ahead")
         taken = prefetcher.take(file)
         if taken is None:  # its read had not started: read here, as take_or_read does
-            return read_file(file, ctx.cache.get("cast_plan"))
+            return read_file(file, ctx.state.cast_plan)
         read_ahead.append(file)
         return taken
 
-    monkeypatch.setattr(glue, "take_or_read", only_predicted_files)
+    monkeypatch.setattr(glue_common, "take_or_read", only_predicted_files)
     with ms_loadpatch.enabled():
         accelerated = D.UNet2DConditionModel.from_pretrained(path, **kwargs)
     assert read_ahead, "no file came from the read-ahead"

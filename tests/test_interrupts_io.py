@@ -335,7 +335,7 @@ def test_read_failing_mid_file(checkpoints, tmp_path, monkeypatch, library, layo
 
 def _change_during_read(monkeypatch, victim, change):
     """Apply `change(victim)` after the reader read the victim's header, before its data."""
-    real = reader._read_header_from
+    real = reader.read_header_from
 
     def read_header_then_change(f, path):
         header = real(f, path)
@@ -343,7 +343,7 @@ def _change_during_read(monkeypatch, victim, change):
             change(victim)
         return header
 
-    monkeypatch.setattr(reader, "_read_header_from", read_header_then_change)
+    monkeypatch.setattr(reader, "read_header_from", read_header_then_change)
 
 
 def _truncate(path):

@@ -35,17 +35,12 @@ import mindspore as ms
 import wrapt
 from mindspore import ops
 
-from .. import core
-from . import file_named, overridden_method
+from . import common
 from ..strategy import context
-from ..strategy.assign import cast_parameters
-from ..strategy.castread import CastPlan, CastRegistry
+from ..strategy.assign import cast_parameters, tensor_to_assign
 from ..strategy.construct import CONSTRUCTION_LOCK, lazy_construction
-from ..strategy.building import fast_construction
-from ..strategy.gcpause import collection_paused_for_load
-from ..strategy.prefetch import local_checkpoint_files, start_prefetch, take_or_read
-from ..strategy.reader import CheckpointError, read_arrays
-from ..strategy.tensors import cast, to_tensor
+from ..strategy.reader import CheckpointError, file_named_in_errors
+from ..strategy.tensors import cast
 
 logger = logging.getLogger("ms_loadpatch")
 _MODULE = "mindone.diffusers.models.modeling_utils"
@@ -75,7 +70,7 @@ def _modeling_utils():
 def _active():
     """The current load context if it is an accelerated diffusers load."""
     ctx = context.current()
-    if ctx is not None and ctx.report.library == _LIBRARY and not ctx.cache.get("passthrough"):
+    if ctx is not None and ctx.report.library == _LIBRARY and not ctx.state.fallback_reason:
         return ctx
     return None
 
@@ -87,49 +82,36 @@ def _fallback_reason(cls, kwargs) -> str | None:
     base = _modeling_utils().ModelMixin
     if not (isinstance(cls, type) and issubclass(cls, base)):
         return "not called on a ModelMixin class"
-    return overridden_method(cls, base, _LOADING_PATH)
+    return common.overridden_method(cls, base, _LOADING_PATH)
 
 
-# -- entry points (targets.TARGETS)
+# -- entry points (targets.TARGETS; from_config, half and float are common's)
 
 
 def from_pretrained(wrapped, instance, args, kwargs):
-    with core.accelerated_load() as allowed:
-        reason = _fallback_reason(instance, kwargs) if allowed else "ms_loadpatch is being disabled"
-        if reason is not None:
-            logger.debug("ms_loadpatch: %s.from_pretrained unpatched: %s", getattr(instance, "__name__", instance),
-                         reason)
-            with CONSTRUCTION_LOCK:
-                return wrapped(*args, **kwargs)
-        return _accelerated_from_pretrained(wrapped, instance, args, kwargs)
+    return common.from_pretrained(wrapped, instance, args, kwargs, _fallback_reason, _accelerated_from_pretrained)
 
 
 def _accelerated_from_pretrained(wrapped, instance, args, kwargs):
     report = context.LoadReport(instance.__name__, _LIBRARY)
     report.technique = _TECHNIQUE
-    with context.activate(report) as ctx, collection_paused_for_load() as report.gc_paused:
-        requested = kwargs.get("mindspore_dtype")
-        plan = CastPlan.for_dtype(requested) if isinstance(requested, ms.Type) else None
-        if plan is not None:
-            report.technique += f", cast to {plan.target} while reading"
-        ctx.cache["cast_at_read"] = CastRegistry()
-        start_prefetch(ctx, _local_checkpoint_files(args, kwargs), plan)  # closed with the load context
-        result = wrapped(*args, **kwargs)
-        model = result[0] if isinstance(result, tuple) else result
-        if ctx.cache.get("passthrough"):
-            report.technique = f"fallback to mindone: {ctx.cache['passthrough']}"
-        elif not ctx.cache.get("load_done"):
-            report.technique = "fallback to mindone: its loading path did not run"
-        else:
-            with report.phase("init-missing"):
-                report.cells_reinitialised = _initialise_lazy(model)
-    return result
+    requested = kwargs.get("mindspore_dtype")
+    dtype = requested if isinstance(requested, ms.Type) else None
+    return common.accelerated_load(wrapped, args, kwargs, report, dtype, lambda: _local_checkpoint_files(args, kwargs),
+                                   _finish)
 
 
-def from_config(wrapped, instance, args, kwargs):
-    # never inside another thread's lazy-construction window; cells built the fast way (same objects)
-    with CONSTRUCTION_LOCK, fast_construction(lazy_parameters=False):
-        return wrapped(*args, **kwargs)
+def _finish(ctx, result) -> None:
+    """Report a fallback; else initialise what the checkpoint left lazy."""
+    report = ctx.report
+    model = result[0] if isinstance(result, tuple) else result
+    if ctx.state.fallback_reason:
+        report.technique = f"fallback to mindone: {ctx.state.fallback_reason}"
+    elif not ctx.state.load_done:
+        report.technique = "fallback to mindone: its loading path did not run"
+    else:
+        with report.phase("init-missing"):
+            report.cells_reinitialised = _initialise_lazy(model)
 
 
 def no_init_parameters(wrapped, instance, args, kwargs):
@@ -153,20 +135,6 @@ def to(wrapped, instance, args, kwargs):
     return instance
 
 
-def half(wrapped, instance, args, kwargs):
-    if args or kwargs:
-        return wrapped(*args, **kwargs)
-    cast_parameters(instance, ms.float16)
-    return instance
-
-
-def float_(wrapped, instance, args, kwargs):
-    if args or kwargs:
-        return wrapped(*args, **kwargs)
-    cast_parameters(instance, ms.float32)
-    return instance
-
-
 def load_state_dict(wrapped, instance, args, kwargs):
     """Read a safetensors file with the fast reader. Inside an accelerated
     load: plain tensors (assigned by load_shard_file); otherwise Parameters
@@ -184,15 +152,15 @@ def load_state_dict(wrapped, instance, args, kwargs):
         return wrapped(*args, **kwargs)
     ctx = _active()
     try:
-        arrays, cast_at_read = _read(ctx, checkpoint_file)
+        arrays, _metadata, cast_at_read = common.read_checkpoint(ctx, checkpoint_file)
     except CheckpointError as refused:
         logger.debug("ms_loadpatch: %s left to mindone: %s", checkpoint_file, refused)
         # mindone's error, with the file, tensor and reason its message lacks (git-lfs: even the file)
-        with file_named(checkpoint_file, reason=refused):
+        with file_named_in_errors(checkpoint_file, reason=refused):
             return wrapped(*args, **kwargs)
     if ctx is None:
         return {name: ms.Parameter(array, name=name) for name, array in arrays.items()}
-    return _tensors(ctx, arrays, cast_at_read)
+    return common.tensors_of(ctx, arrays, cast_at_read)
 
 
 # -- internals of mindone's loading path (targets.TARGETS, diffusers "internal" rows)
@@ -218,10 +186,10 @@ def load_pretrained_model(wrapped, instance, args, kwargs):
             reason = "parameter names differ from their structural names"
     if reason is not None:
         logger.debug("ms_loadpatch: %s loads unpatched: %s", type(model).__name__, reason)
-        ctx.cache["passthrough"] = reason
+        ctx.state.fallback_reason = reason
         state_dict = args[1] if len(args) > 1 else kwargs.get("state_dict")
         if state_dict:  # read by our load_state_dict as tensors; mindone's loader wants Parameters of the file's values
-            registry = ctx.cache["cast_at_read"]
+            registry = ctx.state.cast_at_read
             state_dict = {k: v if isinstance(v, ms.Parameter) else ms.Parameter(registry.as_in_file(v, ctx.report),
                                                                                   name=k)
                           for k, v in state_dict.items()}
@@ -230,23 +198,19 @@ def load_pretrained_model(wrapped, instance, args, kwargs):
             else:
                 kwargs = dict(kwargs, state_dict=state_dict)
         return wrapped(*args, **kwargs)
-    ctx.cache["index"] = (model, index)
+    ctx.state.parameter_index = (model, index)
     result = wrapped(*args, **kwargs)
     loaded_keys = args[4] if len(args) > 4 else kwargs.get("loaded_keys")
-    if len(paths) > 1:
-        _check_index_against_shards(ctx, paths, loaded_keys)
-    ctx.cache["load_done"] = True
+    if len(paths) > 1:  # mindone leaves a weight no shard holds lazy, to be randomly initialised
+        common.check_index_against_shards(ctx, paths, loaded_keys or (), lambda: _weight_map(paths))
+    ctx.state.load_done = True
     return result
 
 
-def _check_index_against_shards(ctx, paths, loaded_keys) -> None:
-    """A tensor the index lists but no shard read holds (an index mapping it
-    to the wrong file): mindone leaves that weight lazy, to be randomly
-    initialised, without a word. Refuse, naming the file the index points to."""
-    read = ctx.cache.get("keys_read", set())
-    unread = [key for key in loaded_keys or () if key not in read]
-    if not unread:
-        return
+def _weight_map(paths) -> dict:
+    """key -> shard of the index files beside `paths` (mindone does not hand
+    its index on; every variant's is read, a later one winning), kept where
+    the shard is one of `paths`."""
     directory = os.path.dirname(os.fspath(paths[0]))
     weight_map = {}
     for name in os.listdir(directory):
@@ -254,29 +218,28 @@ def _check_index_against_shards(ctx, paths, loaded_keys) -> None:
             with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
                 with open(os.path.join(directory, name)) as f:
                     weight_map.update(json.load(f)["weight_map"])
-    shard = weight_map.get(unread[0])
-    path = next((p for p in paths if os.path.basename(os.fspath(p)) == shard), paths[0])
-    raise CheckpointError(path, "the checkpoint's index lists this tensor in this file, but no shard holds it",
-                          key=unread[0])
+    shards = {os.path.basename(os.fspath(p)) for p in paths}
+    return {key: shard for key, shard in weight_map.items() if isinstance(shard, str) and shard in shards}
 
 
 def load_shard_file(wrapped, instance, args, kwargs):
     """modeling_utils' `_load_shard_file`: read (or take the prefetched) shard
     and assign it with O(1) bookkeeping instead of load_param_into_net."""
     ctx = _active()
-    if ctx is None or "index" not in ctx.cache:
+    if ctx is None or ctx.state.parameter_index is None:
         return wrapped(*args, **kwargs)
     shard_file = args[0] if args else kwargs["shard_file"]
     model = kwargs["model"]
-    owner, index = ctx.cache["index"]
+    owner, index = ctx.state.parameter_index
     if owner is not model:
         return wrapped(*args, **kwargs)
     if isinstance(shard_file, dict):  # a single file, read by load_state_dict
-        state_dict, path = shard_file, ctx.cache.get("last_file")
+        state_dict, path = shard_file, ctx.state.last_file
     else:
-        state_dict = _tensors(ctx, *_read(ctx, shard_file))
+        arrays, _metadata, cast_at_read = common.read_checkpoint(ctx, shard_file)
+        state_dict = common.tensors_of(ctx, arrays, cast_at_read)
         path = shard_file
-    with file_named(path):  # whatever fails with this file's tensors names it
+    with file_named_in_errors(path):  # whatever fails with this file's tensors names it
         mismatched_keys = sys.modules[_LOADING_MODULE]._find_mismatched_keys(
             state_dict, kwargs["model_state_dict"], kwargs.get("loaded_keys"),
             kwargs.get("ignore_mismatched_sizes", False)
@@ -285,7 +248,7 @@ def load_shard_file(wrapped, instance, args, kwargs):
             try:
                 _assign(ctx, index, state_dict, kwargs.get("dtype"), kwargs.get("keep_in_fp32_modules"))
             finally:
-                ctx.cache["cast_at_read"].clear()  # tensors not assigned (unexpected keys) are freed
+                ctx.state.cast_at_read.clear()  # tensors not assigned (unexpected keys) are freed
     return kwargs.get("offload_index"), kwargs.get("state_dict_index"), mismatched_keys, []
 
 
@@ -305,11 +268,7 @@ def convert_state_dict(wrapped, instance, args, kwargs):
         name_ms = name_pt
         if mapping is not None:
             name_ms, function = mapping
-            mapped = _mapped(function, data_pt, name_pt)
-            if mapped is not data_pt:  # transformed (Conv1d): from the file's values, as unpatched
-                in_file = ctx.cache["cast_at_read"].as_in_file(data_pt, ctx.report)
-                mapped = mapped if in_file is data_pt else _mapped(function, in_file, name_pt)
-            data_pt = mapped
+            data_pt = common.mapped_as_unpatched(ctx, function, data_pt, name_pt)
         if name_ms is not None:
             converted[name_ms] = data_pt
     return converted
@@ -350,44 +309,11 @@ def _local_checkpoint_files(args, kwargs) -> list[str]:
     """The safetensors files mindone will resolve for a local directory, in its
     lookup order: the index in the subfolder, then a single file at the root,
     then in the subfolder."""
-    path = args[0] if args else kwargs.get("pretrained_model_name_or_path")
-    if not isinstance(path, (str, os.PathLike)) or kwargs.get("use_safetensors") is False:
-        return []
-    root, subfolder = os.fspath(path), kwargs.get("subfolder") or ""
-    add_variant, variant = _modeling_utils()._add_variant, kwargs.get("variant")
-    name = add_variant("diffusion_pytorch_model.safetensors", variant)
-    return local_checkpoint_files([
-        os.path.join(root, subfolder, add_variant("diffusion_pytorch_model.safetensors.index.json", variant)),
-        os.path.join(root, name),
-        os.path.join(root, subfolder, name) if subfolder else None,
+    return common.checkpoint_files(args, kwargs, _modeling_utils()._add_variant, lambda root, subfolder, named: [
+        os.path.join(root, subfolder, named("diffusion_pytorch_model.safetensors.index.json")),
+        os.path.join(root, named("diffusion_pytorch_model.safetensors")),
+        os.path.join(root, subfolder, named("diffusion_pytorch_model.safetensors")) if subfolder else None,
     ])
-
-
-def _mapped(function, tensor, name):
-    try:
-        return function(tensor)
-    except AttributeError:  # only a Parameter has `.name`
-        return function(ms.Parameter(tensor, name=name))
-
-
-def _tensors(ctx, arrays, cast_at_read) -> dict:
-    """name -> Tensor sharing each array; those cast while reading listed in the load's registry."""
-    tensors = {name: to_tensor(array) for name, array in arrays.items()}
-    ctx.cache["cast_at_read"].add(tensors, cast_at_read)
-    return tensors
-
-
-def _read(ctx, path):
-    """(arrays, cast_at_read) of one file: taken from the prefetcher if it read it, else read now."""
-    if ctx is None:
-        return read_arrays(path)[0], {}
-    with ctx.report.phase("read"):
-        arrays, _metadata, cast_at_read = take_or_read(ctx, path)
-    ctx.report.tensors_read += len(arrays)
-    ctx.report.shards += 1
-    ctx.cache.setdefault("keys_read", set()).update(arrays)  # checked against the index
-    ctx.cache["last_file"] = os.fspath(path)  # named in errors about its tensors
-    return arrays, cast_at_read
 
 
 def _parameter_index(model):
@@ -405,7 +331,7 @@ def _parameter_index(model):
 def _assign(ctx, index, state_dict, dtype, keep_in_fp32_modules) -> None:
     """What mindone's _load_state_dict_into_model + load_param_into_net +
     model.to(dtype) leave in each parameter, with one cast at most."""
-    report, registry = ctx.report, ctx.cache["cast_at_read"]
+    report, registry = ctx.report, ctx.state.cast_at_read
     for key, value in state_dict.items():
         entry = index.get(key)
         if entry is None:  # unexpected key: mindone's loader ignores it too
@@ -432,12 +358,7 @@ def _assign(ctx, index, state_dict, dtype, keep_in_fp32_modules) -> None:
             # unpatched: file -> loaded_dtype -> final; one cast file -> final when either step is no step
             one_step = source == loaded_dtype or (source, loaded_dtype) in _EXACT_WIDENING or loaded_dtype == final
             cast_while_reading = one_step and value.dtype == final
-            if cast_while_reading:
-                report.tensors_cast += 1
-                report.tensors_cast_while_reading += 1
-            else:
-                value = to_tensor(origin.original())
-                report.tensors_read_again += 1
+            value = tensor_to_assign(origin, value, cast_while_reading, report)
         if not cast_while_reading:
             if value.dtype != loaded_dtype and (value.dtype, loaded_dtype) not in _EXACT_WIDENING:
                 value = cast(value, loaded_dtype)  # a lossy first step must be reproduced

@@ -10,7 +10,6 @@ accelerated load is active in the calling thread.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import logging
 import os
@@ -18,19 +17,12 @@ import sys
 
 import mindspore as ms
 import wrapt
-from safetensors import SafetensorError
 
-from .. import core
-from . import file_named, naming_the_file, overridden_method
+from . import common
 from ..strategy import context
 from ..strategy.assign import assign, cast_parameters, cell_to_keeping_lazy, check_and_pair
-from ..strategy.castread import CastPlan, CastRegistry
-from ..strategy.construct import (CONSTRUCTION_LOCK, as_load_state_dict_leaves_it, initialize_unloaded,
-                                  lazy_construction, state_index)
-from ..strategy.building import fast_construction
-from ..strategy.gcpause import collection_paused_for_load
-from ..strategy.prefetch import local_checkpoint_files, start_prefetch, take_or_read
-from ..strategy.reader import CheckpointError, named_safetensors_error
+from ..strategy.construct import as_load_state_dict_leaves_it, initialize_unloaded, lazy_construction, state_index
+from ..strategy.reader import file_named_in_errors, safe_open_error_naming_file
 from ..strategy.tensors import to_tensor
 
 logger = logging.getLogger("ms_loadpatch")
@@ -49,85 +41,62 @@ def _fallback_reason(cls, kwargs) -> str | None:
         return "TF / Flax checkpoints"
     if kwargs.get("state_dict") is not None:
         return "a state_dict passed by the caller (its tensors must not be aliased)"
-    return overridden_method(cls, _modeling_utils().PreTrainedModel, _LOADING_PATH)
+    return common.overridden_method(cls, _modeling_utils().PreTrainedModel, _LOADING_PATH)
 
 
-# -- entry points (targets.TARGETS)
+# -- entry points (targets.TARGETS; from_config, half and float are common's)
 
 
 def from_pretrained(wrapped, instance, args, kwargs):
-    with core.accelerated_load() as allowed:
-        reason = _fallback_reason(instance, kwargs) if allowed else "ms_loadpatch is being disabled"
-        if reason is not None:
-            logger.debug("ms_loadpatch: %s.from_pretrained unpatched: %s", instance.__name__, reason)
-            with CONSTRUCTION_LOCK:
-                return wrapped(*args, **kwargs)
-        return _accelerated_from_pretrained(wrapped, instance, args, kwargs)
+    return common.from_pretrained(wrapped, instance, args, kwargs, _fallback_reason, _accelerated_from_pretrained)
 
 
 def _accelerated_from_pretrained(wrapped, instance, args, kwargs):
     report = context.LoadReport(instance.__name__, "transformers")
     report.technique = "lazy construction, set_data from owned read buffer, set_dtype cast"
     try:
-        with context.activate(report) as ctx, collection_paused_for_load() as report.gc_paused:
-            # mindone's own precedence: `dtype`, then the deprecated `mindspore_dtype`
-            requested = kwargs.get("dtype") if kwargs.get("dtype") is not None else kwargs.get("mindspore_dtype")
-            plan = CastPlan.for_dtype(requested)
-            if plan is not None:
-                report.technique += f", cast to {plan.target} while reading"
-            ctx.cache["cast_at_read"] = CastRegistry()
-            start_prefetch(ctx, _local_checkpoint_files(args, kwargs), plan)
-            result = wrapped(*args, **kwargs)
-            if not ctx.cache.get("load_done"):
-                model = result[0] if isinstance(result, tuple) else result
-                raise RuntimeError(
-                    f"ms_loadpatch: {type(model).__name__} was built lazily but mindone's loading path did not run; "
-                    "refusing to return a model with uninitialised weights"
-                )
+        # mindone's own precedence: `dtype`, then the deprecated `mindspore_dtype`
+        requested = kwargs.get("dtype") if kwargs.get("dtype") is not None else kwargs.get("mindspore_dtype")
+        return common.accelerated_load(wrapped, args, kwargs, report, requested,
+                                       lambda: _local_checkpoint_files(args, kwargs), _refuse_if_not_loaded)
     except Exception as exc:
-        better = _name_the_file(exc, wrapped)
+        # mindone checks a single-file checkpoint with safetensors' safe_open, whose errors do not name it
+        path = _resolved_archive_file(exc, wrapped)
+        better = safe_open_error_naming_file(exc, path) if path is not None else None
         if better is None:
             raise
         raise better from exc
-    return result
+
+
+def _refuse_if_not_loaded(ctx, result) -> None:
+    """The accelerated load's last step: a lazily built model must have been loaded."""
+    if not ctx.state.load_done:
+        model = result[0] if isinstance(result, tuple) else result
+        raise RuntimeError(
+            f"ms_loadpatch: {type(model).__name__} was built lazily but mindone's loading path did not run; "
+            "refusing to return a model with uninitialised weights"
+        )
 
 
 def _local_checkpoint_files(args, kwargs) -> list[str]:
     """The safetensors files mindone will read for a local directory: the
     single file first, then the index, as its _get_resolved_checkpoint_files."""
-    path = args[0] if args else kwargs.get("pretrained_model_name_or_path")
-    if not isinstance(path, (str, os.PathLike)) or kwargs.get("use_safetensors") is False:
-        return []
-    directory = os.path.join(os.fspath(path), kwargs.get("subfolder") or "")
-    add_variant, variant = _modeling_utils()._add_variant, kwargs.get("variant")
-    return local_checkpoint_files([
-        os.path.join(directory, add_variant("model.safetensors", variant)),
-        os.path.join(directory, add_variant("model.safetensors.index.json", variant)),
+    return common.checkpoint_files(args, kwargs, _modeling_utils()._add_variant, lambda root, subfolder, named: [
+        os.path.join(root, subfolder, named("model.safetensors")),
+        os.path.join(root, subfolder, named("model.safetensors.index.json")),
     ])
 
 
-def _name_the_file(exc, wrapped):
-    """mindone checks a single-file checkpoint with safetensors' safe_open,
-    whose error names neither the file nor, often, the problem ("header too
-    large" for a git-lfs pointer), nor does an OSError or MemoryError met
-    there. The same exception type, saying both; None for other errors."""
+def _resolved_archive_file(exc, wrapped):
+    """The checkpoint file mindone's from_pretrained (`wrapped`) was at when
+    `exc` went through it (its `resolved_archive_file`), or None."""
     code = getattr(getattr(wrapped, "__func__", wrapped), "__code__", None)
     path, tb = None, exc.__traceback__
     while tb is not None:
         if tb.tb_frame.f_code is code:
             path = tb.tb_frame.f_locals.get("resolved_archive_file")
         tb = tb.tb_next
-    if not isinstance(path, (str, os.PathLike)):
-        return None
-    if isinstance(exc, (OSError, MemoryError)) and not isinstance(exc, SafetensorError):
-        return naming_the_file(exc, path)  # e.g. ENOMEM from its memory map
-    return named_safetensors_error(path, exc)
-
-
-def from_config(wrapped, instance, args, kwargs):
-    # never inside another thread's lazy-construction window; cells built the fast way (same objects)
-    with CONSTRUCTION_LOCK, fast_construction(lazy_parameters=False):
-        return wrapped(*args, **kwargs)
+    return path if isinstance(path, (str, os.PathLike)) else None
 
 
 def to(wrapped, instance, args, kwargs):
@@ -156,28 +125,13 @@ def cell_to(wrapped, instance, args, kwargs):
     return cell_to_keeping_lazy(instance, dtype)
 
 
-def half(wrapped, instance, args, kwargs):
-    if args or kwargs:
-        return wrapped(*args, **kwargs)
-    cast_parameters(instance, ms.float16)
-    return instance
-
-
-def float_(wrapped, instance, args, kwargs):
-    if args or kwargs:
-        return wrapped(*args, **kwargs)
-    cast_parameters(instance, ms.float32)
-    return instance
-
-
 def load_state_dict(wrapped, instance, args, kwargs):
     checkpoint_file = args[0] if args else kwargs.get("checkpoint_file")
     if len(args) + len(kwargs) != 1 or not os.fspath(checkpoint_file).endswith(".safetensors"):
         logger.debug("ms_loadpatch: %s is not safetensors: left to mindone's load_state_dict", checkpoint_file)
         return wrapped(*args, **kwargs)  # not a format the fast reader knows: mindone decides
     ctx = context.current()
-    with (ctx.report.phase("read") if ctx else contextlib.nullcontext()):
-        arrays, metadata, cast_at_read = take_or_read(ctx, checkpoint_file)
+    arrays, metadata, cast_at_read = common.read_checkpoint(ctx, checkpoint_file)
     if metadata is not None and metadata.get("format") not in _SAFE_METADATA_FORMATS:
         raise OSError(
             f"The safetensors archive passed at {checkpoint_file} does not contain the valid metadata. Make sure "
@@ -185,13 +139,7 @@ def load_state_dict(wrapped, instance, args, kwargs):
         )
     if ctx is None:  # a direct call: mindone returns Parameters
         return {name: ms.Parameter(to_tensor(array), name=name) for name, array in arrays.items()}
-    ctx.report.tensors_read += len(arrays)
-    ctx.report.shards += 1
-    ctx.cache["last_file"] = os.fspath(checkpoint_file)  # named in a shape-mismatch error
-    ctx.cache.setdefault("keys_read", set()).update(arrays)  # checked against the index
-    tensors = {name: to_tensor(array) for name, array in arrays.items()}
-    ctx.cache["cast_at_read"].add(tensors, cast_at_read)
-    return tensors
+    return common.tensors_of(ctx, arrays, cast_at_read)
 
 
 # -- internals of mindone's loading path (targets.TARGETS, "internal" rows)
@@ -231,30 +179,15 @@ def load_pretrained_model(wrapped, instance, args, kwargs):
     files = args[3] if len(args) > 3 else kwargs.get("resolved_archive_file")
     result = wrapped(*args, **kwargs)
     sharded_metadata = kwargs.get("sharded_metadata", args[6] if len(args) > 6 else None)
-    _check_index_against_shards(ctx, files, sharded_metadata)
+    if sharded_metadata and isinstance(files, list):  # mindone leaves a weight no shard holds randomly initialised
+        common.check_index_against_shards(ctx, files, sharded_metadata.get("all_checkpoint_keys", ()),
+                                          lambda: sharded_metadata.get("weight_map") or {})
     model = result[0]
     with ctx.report.phase("init-missing"):
         ctx.report.cells_reinitialised = initialize_unloaded(model, ctx.loaded, _initializer_for)
-    ctx.cache["load_done"] = True
+    ctx.state.load_done = True
     ctx.loaded.clear()
     return result
-
-
-def _check_index_against_shards(ctx, files, sharded_metadata) -> None:
-    """A tensor the index lists but no shard read holds (an index mapping it
-    to the wrong file): mindone leaves that weight as randomly initialised,
-    without a word. Refuse, naming the file the index points to and the key."""
-    if not sharded_metadata or not isinstance(files, list):
-        return
-    read = ctx.cache.get("keys_read", set())
-    weight_map = sharded_metadata.get("weight_map") or {}
-    for key in sharded_metadata.get("all_checkpoint_keys", ()):
-        if key not in read:
-            shard = weight_map.get(key)
-            path = next((f for f in files if os.path.basename(os.fspath(f)) == shard), shard or files[0])
-            raise CheckpointError(
-                path, "the checkpoint's index lists this tensor in this file, but no shard holds it", key=key
-            )
 
 
 def convert_state_dict(wrapped, instance, args, kwargs):
@@ -267,13 +200,13 @@ def convert_state_dict(wrapped, instance, args, kwargs):
     if not state_dict_pt:
         return state_dict_pt
     with ctx.report.phase("convert-keys"):
-        key = ("convert", id(model))
-        if key not in ctx.cache:
-            model_keys = ctx.cache.get(("state_keys", id(model)))  # from the key check's walk
+        conversions = ctx.state.key_conversion
+        if id(model) not in conversions:
+            model_keys = ctx.state.model_keys.get(id(model))  # from the key check's walk
             if model_keys is None:
                 model_keys = set(model.state_dict().keys())
-            ctx.cache[key] = (_modeling_utils()._get_pt2ms_mappings(model), model_keys)
-        mappings, model_keys = ctx.cache[key]
+            conversions[id(model)] = (_modeling_utils()._get_pt2ms_mappings(model), model_keys)
+        mappings, model_keys = conversions[id(model)]
         identity = (None, None)
         length = len(prefix) + 1
         converted = {}
@@ -293,21 +226,10 @@ def convert_state_dict(wrapped, instance, args, kwargs):
                 name_ms, mapping = mappings.get(name_pt, identity)
                 name_ms = name_pt if mapping is None else name_ms
             if mapping is not None:
-                mapped = _mapped(mapping, data_pt, name_pt)
-                if mapped is not data_pt:  # transformed (Conv1d): the file's values
-                    in_file = ctx.cache["cast_at_read"].as_in_file(data_pt, ctx.report)
-                    mapped = mapped if in_file is data_pt else _mapped(mapping, in_file, name_pt)
-                data_pt = mapped
+                data_pt = common.mapped_as_unpatched(ctx, mapping, data_pt, name_pt)
             if name_ms is not None:
                 converted[name_ms] = data_pt
     return converted
-
-
-def _mapped(mapping, tensor, name):
-    try:
-        return mapping(tensor)
-    except AttributeError:  # Conv1d mappings read `.name`, which only a Parameter has
-        return mapping(ms.Parameter(tensor, name=name))
 
 
 def load_state_dict_into_model(wrapped, instance, args, kwargs):
@@ -317,19 +239,19 @@ def load_state_dict_into_model(wrapped, instance, args, kwargs):
     model_to_load, state_dict = args[0], args[1]
     start_prefix = args[2] if len(args) > 2 else kwargs.get("start_prefix", "")
     with ctx.report.phase("assign"):
-        key = ("index", id(model_to_load))
-        if key not in ctx.cache:
+        indexes = ctx.state.assign_index
+        if id(model_to_load) not in indexes:
             as_load_state_dict_leaves_it(model_to_load)
-            ctx.cache[key] = state_index(model_to_load)
+            indexes[id(model_to_load)] = state_index(model_to_load)
         try:
-            pairs = check_and_pair(ctx.cache[key], state_dict, model_to_load.__class__.__name__)
+            pairs = check_and_pair(indexes[id(model_to_load)], state_dict, model_to_load.__class__.__name__)
         except RuntimeError as exc:
-            if "last_file" not in ctx.cache:
+            if ctx.state.last_file is None:
                 raise
-            raise RuntimeError(f"{exc}\n\t(checkpoint file: {ctx.cache['last_file']})") from None
-        registry = ctx.cache["cast_at_read"]
+            raise RuntimeError(f"{exc}\n\t(checkpoint file: {ctx.state.last_file})") from None
+        registry = ctx.state.cast_at_read
         try:
-            with file_named(ctx.cache.get("last_file")):
+            with file_named_in_errors(ctx.state.last_file):
                 assign(pairs, ctx.loaded, ctx.report, registry)
         finally:
             registry.clear()  # tensors mindone dropped (unexpected keys) are freed
@@ -346,20 +268,20 @@ def find_missing_and_unexpected_keys(wrapped, instance, args, kwargs):
     ctx = context.current()
     if ctx is None or not args:
         return wrapped(*args, **kwargs)
-    return wrapped(_KeepsStateKeys(args[0], ctx.cache), *args[1:], **kwargs)
+    return wrapped(_KeepsStateKeys(args[0], ctx.state.model_keys), *args[1:], **kwargs)
 
 
 class _KeepsStateKeys(wrapt.ObjectProxy):
-    """The model, whose argument-less state_dict() also records its key set."""
+    """The model, whose argument-less state_dict() also records its key set in `model_keys` (by id)."""
 
-    def __init__(self, model, cache: dict):
+    def __init__(self, model, model_keys: dict):
         super().__init__(model)
-        self._self_cache = cache
+        self._self_model_keys = model_keys
 
     def state_dict(self, *args, **kwargs):
         result = self.__wrapped__.state_dict(*args, **kwargs)
         if not args and not kwargs:
-            self._self_cache[("state_keys", id(self.__wrapped__))] = set(result)
+            self._self_model_keys[id(self.__wrapped__)] = set(result)
         return result
 
 

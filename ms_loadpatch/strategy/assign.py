@@ -55,15 +55,14 @@ def assign(pairs, loaded: dict, report, cast_at_read) -> None:
     for kind, target, value in pairs:
         origin = cast_at_read.pop(value)
         if origin is not None:
-            if kind == "param" and value.dtype == target.dtype:
-                report.tensors_cast += 1
-                report.tensors_cast_while_reading += 1
+            # a buffer, or a module kept in another dtype, gets the file's values
+            fits = kind == "param" and value.dtype == target.dtype
+            value = tensor_to_assign(origin, value, fits, report)
+            if fits:
                 fill(target, value)
                 loaded[id(target)] = value
                 report.tensors_assigned += 1
                 continue
-            value = to_tensor(origin.original())  # a buffer, a module kept in another dtype
-            report.tensors_read_again += 1
         if kind == "param":
             if value.dtype != target.dtype:
                 value = cast(value, target.dtype)
@@ -73,6 +72,19 @@ def assign(pairs, loaded: dict, report, cast_at_read) -> None:
         else:  # buffers: few, and copied exactly as Cell.load_state_dict does
             target.assign_value(ms.Tensor(value.asnumpy(), dtype=target.dtype))
         report.tensors_assigned += 1
+
+
+def tensor_to_assign(origin, value, keep: bool, report):
+    """For `value`, cast while reading (castread.CastAtRead `origin`): itself
+    when `keep` (that cast is the one the unpatched load makes; counted as a
+    cast made while reading), else the file's values, read again (counted)."""
+    if keep:
+        report.tensors_cast += 1
+        report.tensors_cast_while_reading += 1
+        return value
+    value = to_tensor(origin.original())
+    report.tensors_read_again += 1
+    return value
 
 
 def cast_parameters(cell, dtype) -> int:

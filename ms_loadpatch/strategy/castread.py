@@ -34,8 +34,8 @@ import threading
 import numpy as np
 
 from . import switch
-from .reader import (CheckpointError, _read_header_from, checkpoint_os_error, data_buffer, read_into, read_threads,
-                     run_in_threads)
+from .reader import (CheckpointError, checkpoint_os_error, data_buffer, read_header_from, read_into, read_threads,
+                     run_in_threads, unchanged_file)
 
 NAME = "cast-on-read"
 DESCRIPTION = ("a load asked for another dtype reads the tensors it casts through a reused staging buffer into "
@@ -262,7 +262,7 @@ class CastAtRead:
                 if (stat.st_size, stat.st_mtime_ns) != self.identity:
                     raise CheckpointError(path, "the file changed during the load (size or modification time): "
                                           "is another process writing it?", key=self.name)
-                header = _read_header_from(f, path)
+                header = read_header_from(f, path)
                 dtype, shape, begin, end = header.entries[self.name]
                 array = np.empty(end - begin, dtype=np.uint8)
                 got = read_into(f.fileno(), array, header.data_start + begin, threads=1)
@@ -352,56 +352,42 @@ def read_cast(path, plan: CastPlan, threads: int | None = None, stop=None, stagi
     read_arrays: a file changed during the read is refused."""
     threads = read_threads() if threads is None else threads
     staging = staging or Staging()
-    try:
-        with open(path, "rb") as f:
-            before = os.fstat(f.fileno())
-            header = _read_header_from(f, path)
-            runs, kept = _segments(header.entries, plan)
-            kept_ranges = _merged([header.entries[name][2:] for name in kept])
-            kept_offsets, kept_total = _offsets([end - begin for begin, end in kept_ranges])
-            out_item = plan.target_numpy.itemsize
-            run_offsets, out_total = _offsets([(end - begin) // dtype.itemsize * out_item
-                                               for dtype, begin, end, _ in runs])
-            kept_buffer, out = data_buffer(path, kept_total), data_buffer(path, out_total)
-            _fault_in(out, threads, stop)
-            fd, short = f.fileno(), None
-            for (begin, end), offset in zip(kept_ranges, kept_offsets):
-                got = read_into(fd, kept_buffer[offset:offset + end - begin], header.data_start + begin, threads,
-                                stop, f"the read of {os.fspath(path)}")
-                if got != end - begin:
-                    short = (begin + got, end)
+    with unchanged_file(path) as (f, header, identity):
+        runs, kept = _segments(header.entries, plan)
+        kept_ranges = _merged([header.entries[name][2:] for name in kept])
+        kept_offsets, kept_total = _offsets([end - begin for begin, end in kept_ranges])
+        out_item = plan.target_numpy.itemsize
+        run_offsets, out_total = _offsets([(end - begin) // dtype.itemsize * out_item
+                                           for dtype, begin, end, _ in runs])
+        kept_buffer, out = data_buffer(path, kept_total), data_buffer(path, out_total)
+        _fault_in(out, threads, stop)
+        fd, short = f.fileno(), None
+        for (begin, end), offset in zip(kept_ranges, kept_offsets):
+            got = read_into(fd, kept_buffer[offset:offset + end - begin], header.data_start + begin, threads,
+                            stop, f"the read of {os.fspath(path)}")
+            if got != end - begin:
+                short = (begin + got, end)
+                break
+        for (dtype, begin, end, _names), offset in zip(runs, run_offsets):
+            if short is not None:
+                break
+            count, nan_bits = (end - begin) // dtype.itemsize, plan.nan_bits(dtype)
+            target = out[offset:offset + count * out_item].view(plan.target_numpy)
+            part = max(dtype.itemsize, STAGING_BYTES // _ALIGN * _ALIGN)
+            for lo in range(0, end - begin, part):
+                n = min(part, end - begin - lo)
+                buffer = staging.get(n)
+                got = read_into(fd, buffer, header.data_start + begin + lo, threads, stop,
+                                f"the read of {os.fspath(path)}")
+                if got != n:
+                    short = (begin + lo + got, end)
                     break
-            for (dtype, begin, end, _names), offset in zip(runs, run_offsets):
-                if short is not None:
-                    break
-                count, nan_bits = (end - begin) // dtype.itemsize, plan.nan_bits(dtype)
-                target = out[offset:offset + count * out_item].view(plan.target_numpy)
-                part = max(dtype.itemsize, STAGING_BYTES // _ALIGN * _ALIGN)
-                for lo in range(0, end - begin, part):
-                    n = min(part, end - begin - lo)
-                    buffer = staging.get(n)
-                    got = read_into(fd, buffer, header.data_start + begin + lo, threads, stop,
-                                    f"the read of {os.fspath(path)}")
-                    if got != n:
-                        short = (begin + lo + got, end)
-                        break
-                    first = lo // dtype.itemsize
-                    cast_into(target[first:first + n // dtype.itemsize], buffer.view(dtype), nan_bits)
-            after = os.fstat(fd)
-    except CheckpointError:
-        raise
-    except OSError as exc:
-        raise checkpoint_os_error(path, exc) from exc
-    data_len = max((end for _, _, _, end in header.entries.values()), default=0)
-    if short is not None:
-        raise CheckpointError(path, f"the data ends at byte {short[0]} of {data_len}: the file changed or is "
-                              "truncated")
-    if (after.st_size, after.st_mtime_ns) != (before.st_size, before.st_mtime_ns):
-        raise CheckpointError(
-            path, f"the file changed while it was read (size {before.st_size} -> {after.st_size} bytes, "
-            "modification time changed): is another process writing it?"
-        )
-    identity = (before.st_size, before.st_mtime_ns)
+                first = lo // dtype.itemsize
+                cast_into(target[first:first + n // dtype.itemsize], buffer.view(dtype), nan_bits)
+        if short is not None:
+            data_len = max((end for _, _, _, end in header.entries.values()), default=0)
+            raise CheckpointError(path, f"the data ends at byte {short[0]} of {data_len}: the file changed or is "
+                                  "truncated")
     where = {}
     for (dtype, begin, _end, names), offset in zip(runs, run_offsets):
         for name in names:

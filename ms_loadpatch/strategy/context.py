@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import threading
 import time
+import typing
 
 from ..activation import env_flag
 from .building import window
@@ -148,9 +150,34 @@ def _emit(report: LoadReport) -> None:
         logger.debug("%s", report.summary())
 
 
+if typing.TYPE_CHECKING:
+    from .castread import CastPlan, CastRegistry
+    from .prefetch import Prefetcher
+
+
+@dataclasses.dataclass
+class LoadState:
+    """What the glue's wrappers of one load hand each other (and the
+    prefetcher) across mindone's internals; ids are of models of this load."""
+
+    cast_at_read: CastRegistry | None = None  # the tensors cast while reading and not yet assigned
+    cast_plan: CastPlan | None = None  # what a read of this load casts (None: nothing)
+    prefetcher: Prefetcher | None = None  # the files read ahead (None: each file read when asked)
+    keys_read: set[str] = dataclasses.field(default_factory=set)  # every key read, checked against the index
+    last_file: str | None = None  # the file read last, named in errors about its tensors
+    load_done: bool = False  # mindone's loading path ran to its end
+    # transformers: per model, id(model) -> ...
+    model_keys: dict[int, set] = dataclasses.field(default_factory=dict)  # model.state_dict()'s keys
+    key_conversion: dict[int, tuple] = dataclasses.field(default_factory=dict)  # (pt2ms mappings, model keys)
+    assign_index: dict[int, dict] = dataclasses.field(default_factory=dict)  # construct.state_index(model)
+    # diffusers
+    fallback_reason: str | None = None  # why mindone's own loader loads this model
+    parameter_index: tuple | None = None  # (model, name -> (parameter, construction dtype))
+
+
 class LoadContext:
     """What one from_pretrained call in this thread needs across mindone's
-    internals: the construction window, what was assigned, caches, the report."""
+    internals: the construction window, what was assigned, the load's state, the report."""
 
     def __init__(self, report: LoadReport):
         self.report = report
@@ -159,7 +186,7 @@ class LoadContext:
         self.construction_root = None
         self.constructing = False
         self.loaded: dict[int, object] = {}  # id(param) -> tensor assigned
-        self.cache: dict = {}
+        self.state = LoadState()
 
     def close_construction(self) -> None:
         if self.constructing:

@@ -182,18 +182,18 @@ def start_prefetch(ctx, files, cast_plan=None) -> Prefetcher | None:
     ctx.report.read_workers = workers
     ctx.report.read_threads = read_threads(share)
     ctx.report.local_ranks, ctx.report.rank = share.local_ranks, share.rank
-    ctx.cache["cast_plan"] = cast_plan
+    ctx.state.cast_plan = cast_plan
     if not files:
         return None
     prefetcher = Prefetcher(files, workers=workers, cast_plan=cast_plan)
     ctx.cleanup.callback(prefetcher.close)
     prefetcher.start()
-    ctx.cache["prefetcher"] = prefetcher
+    ctx.state.prefetcher = prefetcher
     return prefetcher
 
 
 def take_or_read(ctx, path):
     """read_file's result for `path`: the prefetched read if there is one, else read now."""
-    prefetcher = ctx.cache.get("prefetcher") if ctx is not None else None
+    prefetcher = ctx.state.prefetcher if ctx is not None else None
     taken = prefetcher.take(os.path.normpath(os.fspath(path))) if prefetcher is not None else None
-    return taken if taken is not None else read_file(path, ctx.cache.get("cast_plan") if ctx else None)
+    return taken if taken is not None else read_file(path, ctx.state.cast_plan if ctx else None)

@@ -15,6 +15,7 @@ two readers against each other.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import logging
@@ -330,17 +331,64 @@ def named_safetensors_error(path, original: Exception) -> SafetensorsFileError |
     return SafetensorsFileError(path, problem, key)
 
 
-def read_header(path) -> SafetensorsHeader:
+def exception_naming_file(exc: Exception, path, key: str | None = None, reason=None) -> Exception | None:
+    """An exception of `exc`'s type whose message adds the checkpoint file
+    (and tensor) it is about, or `reason` (a message naming them), for the
+    caller to raise `from exc`; None when the message says it already, or
+    when that type cannot be built from a message (then a note on `exc` says it)."""
+    path = os.fspath(path)
+    if reason is not None:
+        where = str(reason)
+        if where in str(exc):
+            return None
+    else:
+        if path in str(exc):
+            return None
+        where = f"checkpoint file: {path}" + (f", tensor {key!r}" if key is not None else "")
     try:
-        with open(path, "rb") as f:
-            return _read_header_from(f, path)
-    except CheckpointError:
-        raise
-    except OSError as exc:
-        raise checkpoint_os_error(path, exc) from exc
+        if isinstance(exc, OSError) and exc.errno is not None and not exc.filename and reason is None:
+            tensor = f" (tensor {key!r})" if key is not None else ""
+            better = type(exc)(exc.errno, f"{exc.strerror}{tensor}", path)  # "[Errno N] ...: 'path'"
+        else:
+            better = type(exc)(f"{exc} ({where})")
+    except Exception:  # noqa: BLE001 - a type with its own constructor
+        if hasattr(exc, "add_note"):  # Python 3.11+
+            exc.add_note(where)
+        return None
+    return better
 
 
-def _read_header_from(f, path) -> SafetensorsHeader:
+@contextlib.contextmanager
+def file_named_in_errors(path, key: str | None = None, reason=None):
+    """An Exception escaping the block names the checkpoint file `path` (or
+    says `reason`; see exception_naming_file), chained from the original;
+    BaseExceptions (KeyboardInterrupt) pass as they are."""
+    try:
+        yield
+    except Exception as exc:
+        better = exception_naming_file(exc, path, key, reason) if path is not None else None
+        if better is None:
+            raise
+        raise better from exc
+
+
+def safe_open_error_naming_file(exc: Exception, path) -> Exception | None:
+    """What to raise instead of `exc`, met checking `path` with safetensors'
+    safe_open, whose errors name neither the file nor, often, the problem
+    ("header too large" for a git-lfs pointer): the same type, saying both;
+    None for errors that are not about reading it."""
+    if isinstance(exc, (OSError, MemoryError)) and not isinstance(exc, SafetensorError):
+        return exception_naming_file(exc, path)  # e.g. ENOMEM from its memory map
+    return named_safetensors_error(path, exc)
+
+
+def read_header(path) -> SafetensorsHeader:
+    with _os_errors_named(path), open(path, "rb") as f:
+        return read_header_from(f, path)
+
+
+def read_header_from(f, path) -> SafetensorsHeader:
+    """The checked header of `path`, open as binary file `f` at its start."""
     file_size = os.fstat(f.fileno()).st_size
     head = f.read(8)
     if len(head) == 8 and not head.startswith(_LFS_POINTER_PREFIX[:8]):
@@ -350,6 +398,35 @@ def _read_header_from(f, path) -> SafetensorsHeader:
     else:
         head += f.read(64)
     return parse_header(path, file_size, head)
+
+
+@contextlib.contextmanager
+def _os_errors_named(path):
+    """An OSError in the block, other than a CheckpointError, raised as checkpoint_os_error's."""
+    try:
+        yield
+    except CheckpointError:
+        raise
+    except OSError as exc:
+        raise checkpoint_os_error(path, exc) from exc
+
+
+@contextlib.contextmanager
+def unchanged_file(path):
+    """(open binary file, its checked header, (size, mtime_ns)) of `path`, for
+    a read that must see one file: errors as checkpoint_os_error says, and a
+    file whose size or modification time differs when the block ends is
+    refused, never mixed."""
+    with _os_errors_named(path):
+        with open(path, "rb") as f:
+            before = os.fstat(f.fileno())
+            yield f, read_header_from(f, path), (before.st_size, before.st_mtime_ns)
+            after = os.fstat(f.fileno())
+    if (after.st_size, after.st_mtime_ns) != (before.st_size, before.st_mtime_ns):
+        raise CheckpointError(
+            path, f"the file changed while it was read (size {before.st_size} -> {after.st_size} bytes, "
+            "modification time changed): is another process writing it?"
+        )
 
 
 def checkpoint_os_error(path, exc: OSError) -> OSError:
@@ -533,26 +610,13 @@ def read_arrays(path, threads: int | None = None, stop=None) -> tuple[dict[str, 
     replaced, rewritten, grown or shrunk meanwhile is refused, never mixed.
     Errors name the file: CheckpointError (an OSError, with the errno) for a
     file that cannot be opened or read, MemoryError when its data does not fit."""
-    try:
-        with open(path, "rb") as f:  # buffered for the header; the data by preadv on its fd
-            before = os.fstat(f.fileno())
-            header = _read_header_from(f, path)
-            data_len = max((end for _, _, _, end in header.entries.values()), default=0)
-            buffer = data_buffer(path, data_len)
-            got = read_into(f.fileno(), buffer, header.data_start, threads, stop, f"the read of {os.fspath(path)}") \
-                if data_len else 0
-            after = os.fstat(f.fileno())
-    except CheckpointError:
-        raise
-    except OSError as exc:
-        raise checkpoint_os_error(path, exc) from exc
-    if got != data_len:
-        raise CheckpointError(path, f"read {got} of {data_len} data bytes: the file changed or is truncated")
-    if (after.st_size, after.st_mtime_ns) != (before.st_size, before.st_mtime_ns):
-        raise CheckpointError(
-            path, f"the file changed while it was read (size {before.st_size} -> {after.st_size} bytes, "
-            "modification time changed): is another process writing it?"
-        )
+    with unchanged_file(path) as (f, header, _identity):  # buffered for the header; the data by preadv on its fd
+        data_len = max((end for _, _, _, end in header.entries.values()), default=0)
+        buffer = data_buffer(path, data_len)
+        got = read_into(f.fileno(), buffer, header.data_start, threads, stop, f"the read of {os.fspath(path)}") \
+            if data_len else 0
+        if got != data_len:
+            raise CheckpointError(path, f"read {got} of {data_len} data bytes: the file changed or is truncated")
     arrays = {}
     for name, (dtype, shape, begin, end) in header.entries.items():
         view = buffer[begin:end]
