@@ -57,7 +57,7 @@ TARGETS: tuple[Target, ...] = (
     Target(_TF, "ModuleUtilsMixin.float", f"{_GLUE}:float_", public=True),
     Target(_TF, "ModuleUtilsMixin.to", f"{_TF_GLUE}:to", public=True),
     Target(_TF, "load_state_dict", f"{_TF_GLUE}:load_state_dict", public=True),
-    # mindspore 2.10+'s nn.Cell.to, which models resolve before ModuleUtilsMixin.to
+    # nn.Cell.to (a mindspore feature, versions.FEATURES), which models resolve before ModuleUtilsMixin.to
     # (reached through modeling_utils' `nn`, so it is applied once mindone is imported);
     # it acts only inside an accelerated transformers load
     Target(_TF, "nn.Cell.to", f"{_TF_GLUE}:cell_to", feature="cell_to"),

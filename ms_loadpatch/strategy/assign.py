@@ -99,7 +99,7 @@ def cast_parameters(cell, dtype) -> int:
 
 
 def cell_to_keeping_lazy(cell, dtype):
-    """`cell.to(dtype)` as mindspore 2.10's nn.Cell.to does it (its own
+    """`cell.to(dtype)` as mindspore's nn.Cell.to does it (its own
     `_apply` walk: floating parameters and buffers cast, `param.data = ...`,
     buffers replaced), except that a lazily built parameter is not read
     (Tensor.to segfaults on one): it only gets the dtype, metadata only, and
