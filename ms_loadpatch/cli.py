@@ -91,6 +91,7 @@ def _print_status(report: dict) -> None:
     activation = report["activation"]
     print(f"\nturned on by: import ms_loadpatch, or {activation['env_var']}=1 (currently "
           f"{activation['env_value']!r}; .pth hook {'installed' if activation['pth_installed'] else 'not installed: use ms-loadpatch run'})")
+    _print_lazy_import(report["lazy_import"])
     print("\nversions:")
     for name, version in report["versions"].items():
         tested = ", ".join(report["tested"][name])
@@ -116,6 +117,22 @@ def _print_status(report: dict) -> None:
         for row in report["techniques"]:
             reason = f"  ({row['reason']})" if row["reason"] else ""
             print(f"  {row['state']:8} {row['name']}: {row['description']}{reason}")
+
+
+def _print_lazy_import(lazy: dict) -> None:
+    if not lazy["on"]:
+        print(f"lazy import of mindone.transformers: off ({lazy['reason']})")
+    else:
+        print(f"lazy import of mindone.transformers: on ({lazy['env_var']}=0 turns it off)")
+    for name, row in lazy["packages"].items():
+        if row["state"] == "lazy":
+            print(f"  {name}: lazy, {row['deferred']} modules deferred ({row['imported_since']} imported since)")
+        elif row["state"] == "eager" and (lazy["on"] or row["reason"]):
+            print(f"  {name}: imported eagerly: {row['reason']}")
+        elif lazy["on"]:
+            print(f"  {name}: {row['state']}")
+    for module, error in lazy["side_effect_errors"].items():
+        print(f"  importing {module} (it writes a registry at import) failed: {error}")
 
 
 def _cmd_status(args) -> int:

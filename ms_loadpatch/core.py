@@ -15,7 +15,7 @@ import threading
 
 import wrapt
 
-from . import versions
+from . import lazy_import, versions
 from .targets import TARGETS, Target
 
 logger = logging.getLogger("ms_loadpatch")
@@ -61,6 +61,7 @@ class _Patcher:
                     self._warned_refusal = True
                 return False
             self._enabled = True
+            lazy_import.install()  # before mindone is imported: its two package __init__s become lazy
             for module_name in dict.fromkeys(t.module for t in self._targets):
                 module = sys.modules.get(module_name)
                 if module is not None:
@@ -91,6 +92,7 @@ class _Patcher:
                     if wrapt.unwrap_object(module, target.path, handle, missing_ok=True) is None:
                         logger.warning("%s was replaced by someone else; left as it is", target.key)
                 self._states[target.key] = (SKIPPED, "disabled")
+            lazy_import.uninstall()  # a package already lazy stays so: it gives the same objects
             self._enabled = False
 
     def is_enabled(self) -> bool:
@@ -138,6 +140,7 @@ class _Patcher:
                               for library in versions.LIBRARIES},
                 "techniques": _technique_rows() if gate.ok else [],
                 "targets": targets,
+                "lazy_import": lazy_import.status(),
             }
 
     # -- machinery
