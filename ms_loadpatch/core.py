@@ -61,7 +61,6 @@ class _Patcher:
                     self._warned_refusal = True
                 return False
             self._enabled = True
-            lazy_import.install()  # before mindone is imported: its two package __init__s become lazy
             for module_name in dict.fromkeys(t.module for t in self._targets):
                 module = sys.modules.get(module_name)
                 if module is not None:
@@ -72,6 +71,9 @@ class _Patcher:
                     if module_name not in self._hooked_modules:
                         self._hooked_modules.add(module_name)
                         wrapt.register_post_import_hook(self._on_import, module_name)
+            # after wrapt's finder is in place, so ours is first: mindone.transformers and
+            # .models, when imported from now on, are lazy packages
+            lazy_import.install()
             return True
 
     def disable(self) -> None:

@@ -78,14 +78,14 @@ def install() -> None:
             if name in sys.modules and name not in _packages:
                 _packages[name] = {"state": "eager", "reason": "imported before ms_loadpatch was enabled",
                                    "modules": ()}
-        sys.meta_path.insert(0, _FINDER)
-        _installed = True
         if not _hooks_registered:
             import wrapt
 
             for reader in versions.LAZY_IMPORT_SIDE_EFFECTS:
                 wrapt.register_post_import_hook(_import_writers, reader)
             _hooks_registered = True
+        sys.meta_path.insert(0, _FINDER)  # after wrapt's own finder went in: first
+        _installed = True
 
 
 def uninstall() -> None:
@@ -479,6 +479,9 @@ def _literal_all(ast, source):
         raise Unsupported("__all__ is not one top-level literal")
     start = found[0].start()
     end = source.find("]" if opening.group(1) == "[" else ")", start)
+    line_end = source.find("\n", end)
+    if end < 0 or source[end + 1:line_end if line_end >= 0 else None].split("#")[0].strip():
+        raise Unsupported("__all__ is not one top-level literal")
     names = ast.literal_eval(source[source.index("=", start) + 1:end + 1].strip())
     if not all(isinstance(n, str) for n in names):
         raise Unsupported("__all__ holds a non-string")
