@@ -416,3 +416,15 @@ def test_side_effect_audit_matches_the_installed_mindone():
     found = _registry_writers(package_dir)
     listed = {m for writers in versions.LAZY_IMPORT_SIDE_EFFECTS.values() for m in writers}
     assert set(found) == listed, json.dumps({k: sorted(v) for k, v in found.items()}, indent=1)
+
+
+def test_this_suite_runs_with_lazy_import():
+    """conftest imports ms_loadpatch before any test module imports mindone."""
+    from ms_loadpatch import activation
+
+    if activation.switched_off() or lazy_import.switched_off() or not versions.check().ok:
+        pytest.skip("the plugin or its lazy import is off in this session")
+    import mindone.transformers as mt
+
+    assert type(mt) is lazy_import.LazyPackage
+    assert type(sys.modules["mindone.transformers.models"]) is lazy_import.LazyPackage
