@@ -547,8 +547,8 @@ def format_table(results: dict, title: str | None = None) -> str:
         lines.append("")
         lines.append("  time to model: a fresh process from interpreter start to the loaded, touched model")
         lazy = "lazy import" if ttm["patched"]["lazy_import"] else "eager import"
-        rows = (("interpreter start", "interpreter_seconds", ""),
-                ("import mindspore", "import_mindspore_seconds", "   patched: with `import ms_loadpatch`"),
+        rows = (("interpreter start", "interpreter_seconds", "   patched: with the .pth hook, if installed"),
+                ("import mindspore", "import_mindspore_seconds", "   patched: after `import ms_loadpatch`"),
                 ("import the model class", "import_mindone_seconds", f"   from mindone (patched: {lazy})"),
                 ("from_pretrained + touch", "load_seconds", ""))
         for label, key, note in rows:
