@@ -237,7 +237,8 @@ _FILES = {
     "sub2.py": "Y = 1\n",
     "unused.py": "Z = 1\n",
     "sub/__init__.py": "from .impl import *\n",
-    "sub/impl.py": "__all__ = [\n    'S1',\n    'S2',\n]\nclass S1:\n    pass\nclass S2:\n    pass\nclass Hidden:\n    pass\n",
+    "sub/impl.py": "__all__ = [\n    'S1',\n    'S2',\n]  # a literal over lines\n"
+                   "class S1:\n    pass\nclass S2:\n    pass\nclass Hidden:\n    pass\n",
 }
 
 
