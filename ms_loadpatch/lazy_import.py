@@ -20,7 +20,9 @@ Exactness rules the module follows (the eager import is the reference):
   answers as eagerly; any other unknown name is an AttributeError at once.
 Modules whose import writes into another module's registry (the audit in
 versions.LAZY_IMPORT_SIDE_EFFECTS) are imported when that registry's reader
-is, so what a user gets from those registries does not depend on laziness.
+is, and modules whose being imported changes how others behave
+(versions.LAZY_IMPORT_ALONG) with the package, so what a user gets does not
+depend on laziness.
 """
 
 from __future__ import annotations
@@ -123,10 +125,14 @@ def _import_writers(reader) -> None:
     if not any(row["state"] == "lazy" for row in _packages.values()):
         return
     for name in versions.LAZY_IMPORT_SIDE_EFFECTS.get(reader.__name__, ()):
-        try:
-            importlib.import_module(name)
-        except Exception as exc:  # the eager import would have failed earlier; keep the reader usable
-            _side_effect_errors[name] = f"{type(exc).__name__}: {exc}"
+        _import_quietly(name)
+
+
+def _import_quietly(name) -> None:
+    try:
+        importlib.import_module(name)
+    except Exception as exc:  # the eager import would have failed earlier; keep the importer usable
+        _side_effect_errors[name] = f"{type(exc).__name__}: {exc}"
 
 
 # --- the finder and the loader
@@ -176,6 +182,8 @@ class _LazyInitLoader(importlib.machinery.SourceFileLoader):
         module.__class__ = LazyPackage
         _plans[name] = plan
         plan.run(module)
+        for along in versions.LAZY_IMPORT_ALONG.get(name, ()):
+            _import_quietly(along)
         # what __loader__ and __spec__ show is the eager import's (a reload imports eagerly)
         module.__spec__.loader = module.__loader__ = importlib.machinery.SourceFileLoader(name, self.path)
         _packages[name] = {"state": "lazy", "reason": "", "modules": plan.deferred_modules()}

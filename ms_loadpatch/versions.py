@@ -143,6 +143,16 @@ LAZY_IMPORT_MINDONE = SpecifierSet(">=0.5.0,<0.6")
 # installed mindone): modules whose import writes into another module's
 # registry, by the module that reads it. When the reader is imported, its
 # writers are too, as the eager import of the package would have done.
+# Modules the eager import loads on the way whose being imported changes how
+# other modules behave, imported with the lazy package (by package). Hugging
+# Face's auto_docstring (decorating many mindone classes at import) reads
+# `transformers.models.auto.modeling_auto`, which that lazy package gives as a
+# torch-only placeholder until the module was really imported; mindone's
+# eager import does (blip_2's configuration), so a direct import of e.g.
+# `mindone.transformers.models.llama4` works only after it.
+LAZY_IMPORT_ALONG: dict[str, tuple[str, ...]] = {
+    "mindone.transformers": ("transformers.models.auto.modeling_auto",),
+}
 _MT = "mindone.transformers.models."
 LAZY_IMPORT_SIDE_EFFECTS: dict[str, tuple[str, ...]] = {
     # ALL_LAYERNORM_LAYERS.append(<model's norm class>), read by Trainer for weight decay

@@ -120,10 +120,45 @@ def registries_report():
     }
 
 
+def hf_report():
+    """Right after `import mindone.transformers`: what of Hugging Face's lazy
+    packages is bound to a real object although its backend (torch) is
+    missing; such a binding changes what HF code reading it gets."""
+    import mindone.transformers  # noqa: F401
+    from transformers.utils.import_utils import _LazyModule
+
+    bound = {}
+    for name, module in sorted(sys.modules.items()):
+        if isinstance(module, _LazyModule):
+            missing = getattr(module, "_object_missing_backend", {})
+            hits = sorted(k for k in missing if k in vars(module)
+                          and type(vars(module)[k]).__name__ != "DummyObject")
+            if hits:
+                bound[name] = hits
+    return bound
+
+
+def reverse_report():
+    """Every model package imported first thing, in reverse order (not the
+    eager import's): what fails."""
+    import mindone.transformers.models as models
+
+    failed = {}
+    for name in sorted((n for n in dir(models) if not n.startswith("_")), reverse=True):
+        full = f"mindone.transformers.models.{name}"
+        if name not in vars(models) or getattr(vars(models)[name], "__name__", None) == full:
+            try:
+                importlib.import_module(full)
+            except Exception as exc:
+                failed[name] = f"{type(exc).__name__}: {str(exc)[:300]}"
+    return failed
+
+
 if __name__ == "__main__":
     out = {}
     for part in [a for a in sys.argv[1:] if not a.startswith("--")]:
-        out[part] = {"names": names_report, "auto": auto_report, "registries": registries_report}[part]()
+        out[part] = {"names": names_report, "auto": auto_report, "registries": registries_report, "hf": hf_report,
+                     "reverse": reverse_report}[part]()
     if "ms_loadpatch" in sys.modules:
         out["lazy_import"] = sys.modules["ms_loadpatch"].status()["lazy_import"]
     print("REPORT " + json.dumps(out))

@@ -34,8 +34,8 @@ def _probe(lazy, *parts):
 def both_sides():
     if not versions.check().ok:
         pytest.skip("versions refused by the gate: the plugin (and lazy import) is off")
-    eager = _probe(False, "names", "auto", "registries")
-    lazy = _probe(True, "names", "auto", "registries")
+    eager = _probe(False, "hf", "names", "auto", "registries")  # "hf" first: right after the import
+    lazy = _probe(True, "hf", "names", "auto", "registries")
     assert lazy["lazy_import"]["on"], lazy["lazy_import"]
     for name in versions.LAZY_IMPORT_PACKAGES:
         assert lazy["lazy_import"]["packages"][name]["state"] == "lazy", lazy["lazy_import"]
@@ -90,6 +90,23 @@ def test_registries_written_at_import_are_equal(both_sides):
     assert lazy == eager
     assert len(eager["ALL_LAYERNORM_LAYERS"]) > 2 and eager["image_processor_extra"]
     assert not both_sides[1]["lazy_import"]["side_effect_errors"]
+
+
+@pytest.mark.matrix
+def test_hugging_face_lazy_packages_are_left_as_eagerly(both_sides):
+    eager, lazy = both_sides[0]["hf"], both_sides[1]["hf"]
+    assert lazy == eager  # mindone 0.5.0 + transformers 4.57.1: transformers.models.auto.modeling_auto
+
+
+@pytest.mark.matrix
+def test_model_packages_import_first_in_any_order():
+    """Lazily, a model package may be the first thing imported (eagerly,
+    models/__init__ imports them all, in its order): reverse order works."""
+    if not versions.check().ok:
+        pytest.skip("versions refused by the gate")
+    report = _probe(True, "reverse")
+    assert report["lazy_import"]["packages"]["mindone.transformers.models"]["state"] == "lazy"
+    assert report["reverse"] == {}
 
 
 def test_lazy_import_off_by_environment():
@@ -426,6 +443,6 @@ def test_this_suite_runs_with_lazy_import():
     if activation.switched_off() or lazy_import.switched_off() or not versions.check().ok:
         pytest.skip("the plugin or its lazy import is off in this session")
     import mindone.transformers as mt
+    import mindone.transformers.models as models
 
-    assert type(mt) is lazy_import.LazyPackage
-    assert type(sys.modules["mindone.transformers.models"]) is lazy_import.LazyPackage
+    assert type(mt) is lazy_import.LazyPackage and type(models) is lazy_import.LazyPackage
