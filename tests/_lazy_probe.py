@@ -154,11 +154,27 @@ def reverse_report():
     return failed
 
 
+def reverse_root_report():
+    """Every submodule of mindone.transformers (but models) imported first
+    thing, in reverse order: what fails."""
+    import pkgutil
+
+    import mindone.transformers as mt
+
+    failed = {}
+    for name in sorted({m.name for m in pkgutil.iter_modules(mt.__path__)} - {"models"}, reverse=True):
+        try:
+            importlib.import_module(f"mindone.transformers.{name}")
+        except Exception as exc:
+            failed[name] = f"{type(exc).__name__}: {str(exc)[:300]}"
+    return failed
+
+
 if __name__ == "__main__":
     out = {}
     for part in [a for a in sys.argv[1:] if not a.startswith("--")]:
         out[part] = {"names": names_report, "auto": auto_report, "registries": registries_report, "hf": hf_report,
-                     "reverse": reverse_report}[part]()
+                     "reverse": reverse_report, "reverse-root": reverse_root_report}[part]()
     if "ms_loadpatch" in sys.modules:
         out["lazy_import"] = sys.modules["ms_loadpatch"].status()["lazy_import"]
     print("REPORT " + json.dumps(out))

@@ -107,6 +107,9 @@ def test_model_packages_import_first_in_any_order():
     report = _probe(True, "reverse")
     assert report["lazy_import"]["packages"]["mindone.transformers.models"]["state"] == "lazy"
     assert report["reverse"] == {}
+    report = _probe(True, "reverse-root")  # the package's other submodules, likewise
+    assert report["lazy_import"]["packages"]["mindone.transformers"]["state"] == "lazy"
+    assert report["reverse-root"] == {}
 
 
 def test_lazy_import_off_by_environment():
