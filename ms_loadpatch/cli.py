@@ -132,7 +132,7 @@ def _print_lazy_import(lazy: dict) -> None:
         elif lazy["on"]:
             print(f"  {name}: {row['state']}")
     for module, error in lazy["side_effect_errors"].items():
-        print(f"  importing {module} (it writes a registry at import) failed: {error}")
+        print(f"  importing {module} (as the eager import would) failed: {error}")
 
 
 def _cmd_status(args) -> int:
