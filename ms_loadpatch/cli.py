@@ -91,6 +91,7 @@ def _print_status(report: dict) -> None:
     activation = report["activation"]
     print(f"\nturned on by: import ms_loadpatch, or {activation['env_var']}=1 (currently "
           f"{activation['env_value']!r}; .pth hook {'installed' if activation['pth_installed'] else 'not installed: use ms-loadpatch run'})")
+    _print_lazy_import(report["lazy_import"])
     print("\nversions:")
     for name, version in report["versions"].items():
         tested = ", ".join(report["tested"][name])
@@ -122,6 +123,22 @@ def _print_status(report: dict) -> None:
               f"{build['cells_copied']} cells copied from recipes")
         for name, reason in build["not_copied"].items():
             print(f"  built plainly: {name}: {reason}")
+
+
+def _print_lazy_import(lazy: dict) -> None:
+    if not lazy["on"]:
+        print(f"lazy import of mindone.transformers: off ({lazy['reason']})")
+    else:
+        print(f"lazy import of mindone.transformers: on ({lazy['env_var']}=0 turns it off)")
+    for name, row in lazy["packages"].items():
+        if row["state"] == "lazy":
+            print(f"  {name}: lazy, {row['deferred']} modules deferred ({row['imported_since']} imported since)")
+        elif row["state"] == "eager" and (lazy["on"] or row["reason"]):
+            print(f"  {name}: imported eagerly: {row['reason']}")
+        elif lazy["on"]:
+            print(f"  {name}: {row['state']}")
+    for module, error in lazy["side_effect_errors"].items():
+        print(f"  importing {module} (as the eager import would) failed: {error}")
 
 
 def _cmd_status(args) -> int:

@@ -15,8 +15,7 @@ import threading
 
 import wrapt
 
-from . import versions
-from . import registry
+from . import lazy_import, registry, versions
 from .targets import TARGETS, Target
 
 logger = logging.getLogger("ms_loadpatch")
@@ -72,6 +71,9 @@ class _Patcher:
                     if module_name not in self._hooked_modules:
                         self._hooked_modules.add(module_name)
                         wrapt.register_post_import_hook(self._on_import, module_name)
+            # after wrapt's finder is in place, so ours is first: mindone.transformers and
+            # .models, when imported from now on, are lazy packages
+            lazy_import.install()
             return True
 
     def disable(self) -> None:
@@ -92,6 +94,7 @@ class _Patcher:
                     if wrapt.unwrap_object(module, target.path, handle, missing_ok=True) is None:
                         logger.warning("%s was replaced by someone else; left as it is", target.key)
                 self._states[target.key] = (SKIPPED, "disabled")
+            lazy_import.uninstall()  # a package already lazy stays so: it gives the same objects
             self._enabled = False
 
     def is_enabled(self) -> bool:
@@ -140,6 +143,7 @@ class _Patcher:
                 "techniques": registry.status_rows() if gate.ok else [],
                 "last_build": registry.last_build(),
                 "targets": targets,
+                "lazy_import": lazy_import.status(),
             }
 
     # -- machinery

@@ -133,6 +133,42 @@ FEATURES = {
 }
 
 
+# --- lazy import of mindone.transformers (lazy_import.py, issue #26)
+#
+# mindone 0.5's `mindone/transformers/__init__.py` and `models/__init__.py`
+# import every public class with plain relative imports (no lazy scheme of
+# their own): these packages are made lazy, on the mindone versions below.
+LAZY_IMPORT_PACKAGES = ("mindone.transformers", "mindone.transformers.models")
+LAZY_IMPORT_MINDONE = SpecifierSet(">=0.5.0,<0.6")
+# The audit of mindone 0.5.0 (tests/test_lazy_import.py re-runs it on the
+# installed mindone): modules whose import writes into another module's
+# registry, by the module that reads it. When the reader is imported, its
+# writers are too, as the eager import of the package would have done.
+# Modules the eager import loads on the way whose being imported changes how
+# other modules behave, imported with the lazy package (by package). Hugging
+# Face's auto_docstring (decorating many mindone classes at import) reads
+# `transformers.models.auto.modeling_auto`, which that lazy package gives as a
+# torch-only placeholder until the module was really imported; mindone's
+# eager import does (blip_2's configuration), so a direct import of e.g.
+# `mindone.transformers.models.llama4` works only after it.
+LAZY_IMPORT_ALONG: dict[str, tuple[str, ...]] = {
+    "mindone.transformers": ("transformers.models.auto.modeling_auto",),
+}
+_MT = "mindone.transformers.models."
+LAZY_IMPORT_SIDE_EFFECTS: dict[str, tuple[str, ...]] = {
+    # ALL_LAYERNORM_LAYERS.append(<model's norm class>), read by Trainer for weight decay
+    "mindone.transformers.trainer": tuple(_MT + m for m in (
+        "chameleon.modeling_chameleon", "granitemoe.modeling_granitemoe", "idefics.modeling_idefics",
+        "llama.modeling_llama", "longt5.modeling_longt5", "minicpm4.modeling_minicpm", "moshi.modeling_moshi",
+        "nemotron.modeling_nemotron", "olmoe.modeling_olmoe", "phi3.modeling_phi3", "pix2struct.modeling_pix2struct",
+        "pop2piano.modeling_pop2piano", "recurrent_gemma.modeling_recurrent_gemma",
+        "switch_transformers.modeling_switch_transformers", "zamba.modeling_zamba")),
+    # AutoImageProcessor.register / AutoFeatureExtractor.register
+    "mindone.transformers.models.auto": tuple(_MT + m for m in (
+        "minicpmv_4_5.image_processing_minicpmv", "phi4_multimodal.processing_phi4_multimodal")),
+}
+
+
 # --- techniques, chosen per installed mindspore (call only after it is imported)
 #
 # The strategy uses exactly these mindspore features. The matrix found all of

@@ -12,6 +12,11 @@ TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
 # test_building checks the default start on its own.
 os.environ.setdefault("MS_LOADPATCH_FAST_CONSTRUCTION_FROM", "0")
 
+# Enabled before any test module imports mindone, as a user's `import
+# ms_loadpatch` at the top of a script: the whole suite runs with lazy
+# mindone.transformers (unless MS_LOADPATCH or MS_LOADPATCH_LAZY_IMPORT is off).
+import ms_loadpatch  # noqa: E402,F401
+
 
 def run_python(code_or_args, env_extra=None, env_drop=(), timeout=600, cwd=None):
     """Run a fresh Python process (real import order, real environment)."""

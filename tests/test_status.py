@@ -16,7 +16,7 @@ from ms_loadpatch.targets import TARGETS
 
 # The documented shape of `status --json` (README "Status").
 TOP_KEYS = {"enabled", "versions", "supported", "tested", "refusal", "untested", "libraries", "techniques",
-            "targets", "import", "activation", "last_build"}
+            "targets", "import", "activation", "last_build", "lazy_import"}
 LIBRARY_KEYS = {"accelerated", "reason", "advice"}
 TECHNIQUE_KEYS = {"name", "kind", "libraries", "description", "state", "reason"}
 TARGET_KEYS = {"target", "library", "public", "state", "reason"}

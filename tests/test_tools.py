@@ -89,6 +89,15 @@ def test_bench_without_path_generates_and_times_tiny_default(cache, tmp_path):
     assert floors["read_bytes"] == ckpt["bytes"] and floors["construct_seconds"] > 0
     assert results["device"] == "CPU" and results["cpu_kernel_fallbacks"] is True
     assert results["memory"] == "primed" and "memory      primed" in proc.stdout
+    # time to model: a user's script per side, imports and load apart; lazy import only patched
+    ttm = results["time_to_model"]
+    for side in (ttm["unpatched"], ttm["patched"]):
+        assert side["import_mindone_seconds"] > 0 and side["load_seconds"] > 0
+        assert side["seconds"] == pytest.approx(side["interpreter_seconds"] + side["import_mindspore_seconds"]
+                                                + side["import_mindone_seconds"] + side["load_seconds"], abs=1e-6)
+    assert ttm["patched"]["lazy_import"] is True and ttm["unpatched"]["lazy_import"] is False
+    assert re.search(r"total +[\d.]+ s +[\d.]+ s +[\d.]+x (faster|slower)", proc.stdout), proc.stdout
+    assert "time to model: a fresh process from interpreter start" in proc.stdout
 
 
 def _rss_bytes() -> int:

@@ -290,6 +290,93 @@ def measure_floors(spec: LoadSpec, timeout=None, prime: int = 0) -> dict:
     return run_child(task, mode="unpatched", timeout=timeout)
 
 
+# -- time to model: what a user's script waits for
+
+
+# A user's script, as it would be written: the patched side turns the plugin
+# on by `import ms_loadpatch` first (counted with the imports), the unpatched
+# side does not import it. Only the harness's own helpers (CPU kernel
+# fallbacks, touching the weights, memory priming) are imported untimed.
+_TIME_TO_MODEL_SCRIPT = """
+import sys, time
+started = time.time()
+spawned, mode, task_file = float(sys.argv[1]), sys.argv[2], sys.argv[3]
+if mode == "patched":
+    import ms_loadpatch
+import mindspore
+imported_mindspore = time.time()
+import importlib, json
+task = json.load(open(task_file))
+spec = task["spec"]
+module_name, _, class_name = spec["class_name"].rpartition(":")
+cls = getattr(importlib.import_module(module_name or "mindone." + (spec["library"] or "transformers")), class_name)
+imported_mindone = time.time()
+sys.path.append(task["package_parent"])
+from ms_loadpatch.tools import _child
+kwargs = {"subfolder": spec["subfolder"]} if spec["subfolder"] else {}
+if spec["dtype"]:
+    library = "diffusers" if ".diffusers" in cls.__module__ else "transformers"
+    kwargs["dtype" if library == "transformers" else "mindspore_dtype"] = getattr(mindspore, spec["dtype"])
+with _child._fallbacks(_child._on_cpu()):
+    _child.prime_memory(task["prime_bytes"])
+    load_start = time.time()
+    model = cls.from_pretrained(spec["path"], **kwargs)
+    _child.touch_all(model)
+    loaded = time.time()
+lazy = sys.modules.get("ms_loadpatch.lazy_import")
+result = {
+    "interpreter_seconds": started - spawned,
+    "import_mindspore_seconds": imported_mindspore - started,
+    "import_mindone_seconds": imported_mindone - imported_mindspore,
+    "load_seconds": loaded - load_start,
+    "plugin_enabled": "ms_loadpatch" in sys.modules and sys.modules["ms_loadpatch"].is_enabled(),
+    "lazy_import": type(sys.modules.get("mindone.transformers")).__name__ == "LazyPackage",
+    "modules": len(sys.modules),
+}
+result["seconds"] = imported_mindone - spawned + result["load_seconds"]
+json.dump(result, open(task["result"], "w"))
+"""
+
+
+def measure_time_to_model(spec: LoadSpec, mode: str, timeout=None, prime: int = 0) -> dict:
+    """A fresh interpreter running a user's script (imports, then
+    from_pretrained and touching every weight). Keys: seconds (interpreter
+    start to the touched model, the untimed harness imports left out),
+    interpreter_seconds, import_mindspore_seconds (patched: with `import
+    ms_loadpatch`), import_mindone_seconds (the model class), load_seconds."""
+    with tempfile.TemporaryDirectory(prefix="ms-loadpatch-") as tmp:
+        task = {"spec": dataclasses.asdict(spec), "prime_bytes": prime, "package_parent": _PACKAGE_PARENT,
+                "result": os.path.join(tmp, "result.json")}
+        if ":" not in spec.class_name:
+            task["spec"]["library"] = spec.library or "transformers"
+        task_file = os.path.join(tmp, "task.json")
+        with open(task_file, "w") as f:
+            json.dump(task, f)
+        spawned = time.time()
+        try:
+            proc = subprocess.run([sys.executable, "-c", _TIME_TO_MODEL_SCRIPT, repr(spawned), mode, task_file],
+                                  env=child_env(mode), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                  timeout=timeout)
+        except subprocess.TimeoutExpired as exc:
+            raise ChildError(f"time to model ({mode}) did not finish within {timeout} s") from exc
+        if proc.returncode != 0 or not os.path.isfile(task["result"]):
+            raise ChildError(f"time to model ({mode}) failed with exit code {proc.returncode}", stderr=proc.stderr)
+        with open(task["result"]) as f:
+            return json.load(f)
+
+
+def summarize_time_to_model(runs: dict) -> dict:
+    """Medians per side and part of {"unpatched": [...], "patched": [...]} runs."""
+    parts = ("seconds", "interpreter_seconds", "import_mindspore_seconds", "import_mindone_seconds", "load_seconds")
+    out = {mode: {part: statistics.median(r[part] for r in mode_runs) for part in parts}
+           for mode, mode_runs in runs.items()}
+    for mode, mode_runs in runs.items():
+        out[mode]["all_seconds"] = [r["seconds"] for r in mode_runs]
+        out[mode]["lazy_import"] = all(r["lazy_import"] for r in mode_runs)
+    out["ratio"] = out["unpatched"]["seconds"] / out["patched"]["seconds"]
+    return out
+
+
 # -- progress
 
 
@@ -351,9 +438,10 @@ def _median_run(runs: list[dict]) -> dict:
 
 
 def run_bench(spec: LoadSpec, repeats: int = 3, floors: bool = True, progress: Progress | None = None,
-              timeout=None, memory: str = "primed") -> dict:
+              timeout=None, memory: str = "primed", time_to_model: bool = True) -> dict:
     """Time unpatched vs patched from_pretrained (alternating, one fresh process
-    per load), plus the floors. Returns a JSON-ready dict (see format_table)."""
+    per load), plus the floors, plus (time_to_model) a user's whole script in
+    a fresh process per side. Returns a JSON-ready dict (see format_table)."""
     if repeats < 1:
         raise UsageError("--repeats must be at least 1")
     prime = prime_bytes(spec, memory)
@@ -362,10 +450,15 @@ def run_bench(spec: LoadSpec, repeats: int = 3, floors: bool = True, progress: P
     if floors:  # first: it also brings the files into the page cache for every load after it
         with _step(progress, "floors: read every checkpoint byte, construct without init"):
             floor = measure_floors(spec, timeout=timeout, prime=prime)
+    ttm_runs = {"unpatched": [], "patched": []}
     for i in range(repeats):
         for mode in ("unpatched", "patched"):  # alternating: slow drift of the machine hits both
             with _step(progress, f"{mode} load {i + 1}/{repeats}"):
                 runs[mode].append(measure_load(spec, mode, timeout=timeout, prime=prime))
+        if time_to_model:
+            for mode in ("unpatched", "patched"):
+                with _step(progress, f"{mode} time to model {i + 1}/{repeats}"):
+                    ttm_runs[mode].append(measure_time_to_model(spec, mode, timeout=timeout, prime=prime))
     sides = {}
     for mode, mode_runs in runs.items():
         median_run = _median_run(mode_runs)
@@ -396,6 +489,7 @@ def run_bench(spec: LoadSpec, repeats: int = 3, floors: bool = True, progress: P
         "patched": dict(sides["patched"], report=sides["patched"]["median_run"].get("report")),
         "ratio": sides["unpatched"]["median_seconds"] / patched_median if patched_median > 0 else None,
         "floors": floor,
+        "time_to_model": summarize_time_to_model(ttm_runs) if time_to_model else None,
     }
 
 
@@ -448,6 +542,21 @@ def format_table(results: dict, title: str | None = None) -> str:
     if results["repeats"] > 1:
         lines.append(f"  all runs (s): unpatched {' '.join(f'{x:.2f}' for x in unp['seconds'])}; "
                      f"patched {' '.join(f'{x:.2f}' for x in pat['seconds'])}")
+    ttm = results.get("time_to_model")
+    if ttm:
+        lines.append("")
+        lines.append("  time to model: a fresh process from interpreter start to the loaded, touched model")
+        lazy = "lazy import" if ttm["patched"]["lazy_import"] else "eager import"
+        rows = (("interpreter start", "interpreter_seconds", "   patched: with the .pth hook, if installed"),
+                ("import mindspore", "import_mindspore_seconds", "   patched: after `import ms_loadpatch`"),
+                ("import the model class", "import_mindone_seconds", f"   from mindone (patched: {lazy})"),
+                ("from_pretrained + touch", "load_seconds", ""))
+        for label, key, note in rows:
+            lines.append(f"    {label:22}{_s(ttm['unpatched'][key]):>12}{_s(ttm['patched'][key]):>12}{note}")
+        ratio = ttm["ratio"]
+        ratio_text = f"   {ratio:.1f}x faster" if ratio >= 1 else f"   {1 / ratio:.1f}x slower"
+        lines.append(f"    {'total':22}{_s(ttm['unpatched']['seconds']):>12}{_s(ttm['patched']['seconds']):>12}"
+                     + ratio_text)
     lines.append("")
     phases = dict(report.get("phases") or {})
     if phases:
