@@ -21,6 +21,11 @@ import pytest
 from conftest import TESTS_DIR, report_of, run_python
 from ms_loadpatch import lazy_import, versions
 
+# Imported at collection, with conftest's plugin on, as a script importing
+# ms_loadpatch first does: the packages this suite's tests use are the lazy
+# ones whatever test ran earlier in the process (some disable the plugin).
+import mindone.transformers.models  # noqa: E402,F401
+
 PROBE = os.path.join(TESTS_DIR, "_lazy_probe.py")
 
 
