@@ -61,9 +61,5 @@ def last_build() -> dict | None:
     """The last model this process built with fast construction: the cell
     where it engaged, cells copied from recipes, and each class built more
     than once but never copied with the first reason. None before any build."""
-    window = sys.modules.get(f"{__package__}.strategy.building.window")
-    if window is None or not window.notes and window.engaged_at is None:
-        return None
-    notes = window.notes.get("sibling-clone", {})
-    return {"engaged_at": window.engaged_at, "cells_copied": notes.get("cells_copied", 0),
-            "not_copied": dict(notes.get("not_copied", {}))}
+    window = sys.modules.get(f"{__package__}.strategy.building.window")  # not imported: nothing built
+    return window.last_build() if window is not None else None

@@ -11,7 +11,6 @@ import typing
 
 from ..activation import env_flag
 from .building import window
-from .building.sibling_clone import SiblingClone
 
 logger = logging.getLogger("ms_loadpatch.report")
 REPORT_ENV_VAR = "MS_LOADPATCH_REPORT"
@@ -57,9 +56,9 @@ class LoadReport:
         (only a window of its own: a nested load's belongs to the outer one)."""
         if not window.window_open():
             self.fast_construction_from = window.engaged_at
-            notes = window.notes.get(SiblingClone.name, {})
-            self.cells_copied = notes.get("cells_copied", 0)
-            self.not_copied = dict(notes.get("not_copied", {}))
+            build = window.last_build() or {}
+            self.cells_copied = build.get("cells_copied", 0)
+            self.not_copied = build.get("not_copied", {})
 
     def as_dict(self) -> dict:
         return {k: v for k, v in vars(self).items()}

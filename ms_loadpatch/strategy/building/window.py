@@ -30,6 +30,17 @@ notes: dict[str, dict] = {}
 recording = False
 
 
+def last_build() -> dict | None:
+    """The last recorded build: the cell where its techniques engaged, the
+    cells sibling-clone copied, and each class built more than once but never
+    copied with the first reason. None before any build engaged or noted."""
+    if not notes and engaged_at is None:
+        return None
+    copies = notes.get("sibling-clone", {})
+    return {"engaged_at": engaged_at, "cells_copied": copies.get("cells_copied", 0),
+            "not_copied": dict(copies.get("not_copied", {}))}
+
+
 def window_open() -> bool:
     return depth > 0
 
