@@ -2,7 +2,7 @@
 against ms_loadpatch's construction window, with every fast-construction
 technique and with each one switched off (its contribution).
 
-Each measurement is a fresh process (imports first, then the clock runs
+Each measurement is a fresh process, the variants taking turns (imports first, then the clock runs
 around the model's constructor only: `cls(config)` with mindone's init pass
 off, as bench's construct floor does); median over --repeats. The patched
 clock includes what a load's construct phase pays: the probes, run when the
@@ -46,6 +46,8 @@ FAMILIES = list(families())
 _CHILD = r"""
 import gc, json, os, sys, time
 variant, class_name, config = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
+if sys.argv[4] == "lazy":
+    import ms_loadpatch  # first: mindone.transformers is imported lazily, as in a patched user's process
 import mindone.transformers as transformers
 import mindone.transformers.modeling_utils as modeling_utils
 from mindspore.nn.utils import no_init_parameters
@@ -87,12 +89,22 @@ def _variants():
 
     yield "floor", "construct (mindspore no_init_parameters)", None
     yield "patched", "patched construct (all techniques)", ""
+    # opt-in (--only): both again with ms_loadpatch imported before mindone, so mindone.transformers is
+    # lazy (fewer nn.Cell subclasses loaded: each instance-count update and collection costs less)
+    yield "lazy-floor", "construct (no_init_parameters), lazy mindone import", None
+    yield "lazy-patched", "patched construct, lazy mindone import", ""
     yield "none", "patched construct, every technique off", "all"
     for technique in TECHNIQUES:
         yield f"no-{technique.name}", f"patched construct without {technique.name}", technique.name
 
 
 FAMILY_VARIANTS = ("floor", "patched", "no-sibling-clone")  # per family: floor, patched, sibling-clone's share
+
+
+def _wanted(variant, model, only) -> bool:
+    if only:
+        return variant in only
+    return not variant.startswith("lazy-") and (model not in FAMILIES or variant in FAMILY_VARIANTS)
 
 
 def run_once(variant, off, class_name, config) -> dict:
@@ -103,8 +115,9 @@ def run_once(variant, off, class_name, config) -> dict:
         env["MS_LOADPATCH_TECHNIQUES_OFF"] = off
     else:
         env.pop("MS_LOADPATCH_TECHNIQUES_OFF", None)
+    imports = "lazy" if variant.startswith("lazy-") else "eager"
     out = subprocess.run([sys.executable, "-c", _CHILD, "floor" if off is None else "patched", class_name,
-                          json.dumps(config)], env=env, capture_output=True, text=True, timeout=900)
+                          json.dumps(config), imports], env=env, capture_output=True, text=True, timeout=900)
     for line in out.stdout.splitlines():
         if line.startswith("RESULT "):
             return json.loads(line[len("RESULT "):])
@@ -116,7 +129,7 @@ def main(argv=None) -> int:
     parser.add_argument("--models", default="moe,qwen2",
                         help=f"comma-separated subset of {', '.join(MODELS)}; `families`: every MoE family")
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--only", help="comma-separated variants (floor, patched, none, no-<technique>)")
+    parser.add_argument("--only", help="comma-separated variants (floor, patched, none, no-<technique>, lazy-floor, lazy-patched)")
     parser.add_argument("--json", metavar="FILE")
     args = parser.parse_args(argv)
     only = set(args.only.split(",")) if args.only else None
@@ -125,10 +138,14 @@ def main(argv=None) -> int:
     for model in models:
         class_name, config = MODELS[model]
         rows = []
-        for variant, label, off in _variants():
-            if only and variant not in only or not only and model in FAMILIES and variant not in FAMILY_VARIANTS:
-                continue
-            runs = [run_once(variant, off, class_name, config) for _ in range(args.repeats)]
+        chosen = [v for v in _variants() if _wanted(v[0], model, only)]
+        # round-robin over the variants, so the machine's drift between runs falls on every variant alike
+        runs_of = {variant: [] for variant, _, _ in chosen}
+        for _ in range(args.repeats):
+            for variant, _, off in chosen:
+                runs_of[variant].append(run_once(variant, off, class_name, config))
+        for variant, label, off in chosen:
+            runs = runs_of[variant]
             seconds = [r["seconds"] for r in runs]
             rows.append({"variant": variant, "label": label, "runs": seconds,
                          "median_seconds": statistics.median(seconds), "cells": runs[0]["cells"],
@@ -143,9 +160,11 @@ def main(argv=None) -> int:
             engaged = next((r["engaged_at"] for r in rows if r["variant"] == "patched"), None)
             print(f"{model}: {rows[0]['cells']} cells, {rows[0]['parameters']} parameters; techniques engaged "
                   + (f"at cell {engaged}" if engaged is not None else "never (fewer cells than the start)"))
+            lazy_floor = next((r for r in rows if r["variant"] == "lazy-floor"), floor)
             for r in rows:
-                print(f"  {r['label']:58} {r['median_seconds']:8.3f} s  {r['median_seconds'] / floor['median_seconds']:5.2f}x floor"
-                      + ("" if r["variant"] == "floor" else f"  {r['copied']} cells copied"))
+                base = lazy_floor if r["variant"].startswith("lazy-") else floor  # each against its own import
+                print(f"  {r['label']:58} {r['median_seconds']:8.3f} s  {r['median_seconds'] / base['median_seconds']:5.2f}x floor"
+                      + ("" if r["variant"].endswith("floor") else f"  {r['copied']} cells copied"))
             patched = next((r for r in rows if r["variant"] == "patched"), None)
             for name, reason in (patched["not_copied"] if patched else {}).items():
                 print(f"  built plainly: {name}: {reason}")

@@ -789,6 +789,35 @@ def test_gc_pause_held_until_the_last_overlapping_load_ends(checkpoints, monkeyp
     assert_same_model(results["load-a"], results["load-b"])
 
 
+def test_gc_resumes_with_the_load_in_the_oldest_generation(checkpoints):
+    """When the pause ends, the objects made meanwhile (the model) are handed
+    to the oldest generation instead of being traversed by the next young
+    collection; the application's own frozen objects stay frozen, and then
+    the hand-over is skipped."""
+    import gc
+
+    cls, path = checkpoints["mixtral"]
+    gc.collect()
+    model = _loaded(cls, path)
+    assert gc.isenabled() and gc.get_freeze_count() == 0 and building.leftovers() == []
+    oldest = {id(o) for o in gc.get_objects(generation=2)}
+    cells = [cell for _, cell in model.cells_and_names()]
+    assert all(id(cell) in oldest for cell in cells)
+    del oldest
+
+    gc.collect()
+    kept = [object()]  # a container the application froze
+    gc.freeze()  # the application's (e.g. before forking workers)
+    try:
+        model = _loaded(cls, path)
+        assert gc.get_freeze_count() > 0 and gc.isenabled()
+        assert all(o is not kept for o in gc.get_objects())  # still frozen (get_objects: generations 0-2)
+        young = {id(o) for o in gc.get_objects(generation=0)} | {id(o) for o in gc.get_objects(generation=1)}
+        assert any(id(cell) in young for _, cell in model.cells_and_names())  # left to collections
+    finally:
+        gc.unfreeze()
+
+
 def test_an_exception_in_the_window_leaves_nothing_behind():
     """A build that fails after cells were copied: every class __init__, nn.Cell
     method, gc and the cell count are back, and the next build is plain again."""
@@ -816,3 +845,39 @@ def test_an_exception_in_the_window_leaves_nothing_behind():
     del built
     gc.collect()
     assert nn.Cell.total_instance_count == count
+
+
+
+def test_refresh_parameter_names_sets_only_what_differs(monkeypatch):
+    """What init_weights does besides init: every parameter named by its path
+    (through flat-name-walk's walk inside a fast window); a wrong name is set,
+    a right one is not set again."""
+    from ms_loadpatch.strategy.construct import refresh_parameter_names
+
+    class Block(nn.Cell):
+        def __init__(self):
+            super().__init__()
+            self.inner = nn.Dense(2, 2)
+            self.items = nn.CellList([nn.Dense(2, 2), nn.Dense(2, 2)])
+
+    monkeypatch.setenv(window.START_ENV_VAR, "0")
+    param_class = type(Block().inner.weight)
+    real = param_class.name
+    for fast in (False, True):
+        with CONSTRUCTION_LOCK, lazy_construction(fast=fast):
+            block = Block()
+            expected = [n for n, _ in block.parameters_and_names()]
+            walked = building.named_parameters(block)
+            assert (walked is None) is not fast  # the flat walk serves only the builder of a fast window
+            if fast:
+                assert [(n, id(p)) for n, p in walked] == [(n, id(p)) for n, p in block.parameters_and_names()]
+            block.items[1].weight.name = "stale"
+            calls = []
+            monkeypatch.setattr(param_class, "name", property(real.fget, lambda p, v: (calls.append(v), real.fset(p, v))))
+            try:
+                refresh_parameter_names(block)
+            finally:
+                monkeypatch.setattr(param_class, "name", real)
+        assert calls == ["items.1.weight"]
+        assert [p.name for _, p in block.parameters_and_names()] == expected
+    assert building.leftovers() == []

@@ -21,7 +21,9 @@ import wrapt
 from . import common
 from ..strategy import context
 from ..strategy.assign import assign, cast_parameters, cell_to_keeping_lazy, check_and_pair
-from ..strategy.construct import as_load_state_dict_leaves_it, initialize_unloaded, lazy_construction, state_index
+from ..strategy.building import window
+from ..strategy.construct import (as_load_state_dict_leaves_it, initialize_unloaded, lazy_construction,
+                                  refresh_parameter_names, state_index)
 from ..strategy.reader import file_named_in_errors, safe_open_error_naming_file
 from ..strategy.tensors import to_tensor
 
@@ -161,11 +163,14 @@ def init_weights(wrapped, instance, args, kwargs):
     done later for exactly the weights the checkpoint lacks); keep the rest."""
     ctx = context.current()
     if ctx is None or not ctx.constructing:
-        return wrapped(*args, **kwargs)
+        if _modeling_utils()._init_weights or not window.in_builder():
+            return wrapped(*args, **kwargs)
+        # a build inside lazy_construction() with mindone's init pass off: what init_weights does then
+        refresh_parameter_names(instance)
+        return None
     if _modeling_utils()._init_weights:
         _flag_initialized(instance)  # where the skipped pass puts the flag in each cell's __dict__
-    for name, param in instance.parameters_and_names():  # what init_weights does besides init
-        param.name = name
+    refresh_parameter_names(instance)  # what init_weights does besides init
     if instance is ctx.construction_root:
         ctx.close_construction()
     return None

@@ -6,11 +6,12 @@ from __future__ import annotations
 import contextlib
 
 from .assign import fill
+from . import building
 from .building import fast_construction
 from .building.lazy import CONSTRUCTION_LOCK, lazy_parameters
 
-__all__ = ["CONSTRUCTION_LOCK", "lazy_construction", "walk_cells", "state_index", "as_load_state_dict_leaves_it",
-           "initialize_unloaded"]
+__all__ = ["CONSTRUCTION_LOCK", "lazy_construction", "refresh_parameter_names", "walk_cells", "state_index",
+           "as_load_state_dict_leaves_it", "initialize_unloaded"]
 
 
 @contextlib.contextmanager
@@ -20,6 +21,17 @@ def lazy_construction(fast: bool = True):
     construction techniques too (strategy/building: same objects, less Python work)."""
     with lazy_parameters(), (fast_construction() if fast else contextlib.nullcontext()):
         yield
+
+
+def refresh_parameter_names(root) -> None:
+    """Every parameter named by its path from `root`, as mindone's
+    init_weights does after its init pass (`param.name = name` over
+    `parameters_and_names()`): walked flat inside a fast window; a name that
+    is already right is not set again (setting an equal name changes nothing)."""
+    named = building.named_parameters(root)
+    for name, param in root.parameters_and_names() if named is None else named:
+        if param.name != name:
+            param.name = name
 
 
 def walk_cells(root, prefix=""):

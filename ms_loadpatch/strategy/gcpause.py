@@ -40,7 +40,20 @@ def release() -> None:
         _holders -= 1
         if _holders == 0 and _paused:
             _paused = False
+            _promote_to_oldest()
             gc.enable()
+
+
+def _promote_to_oldest() -> bool:
+    """Moves every tracked object to the oldest generation without
+    traversing it; False (nothing done) when the application has frozen
+    objects or this Python lacks the calls."""
+    freeze, unfreeze, count = (getattr(gc, f, None) for f in ("freeze", "unfreeze", "get_freeze_count"))
+    if freeze is None or unfreeze is None or count is None or count() != 0:
+        return False
+    freeze()
+    unfreeze()
+    return True
 
 
 @contextlib.contextmanager

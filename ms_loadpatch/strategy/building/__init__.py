@@ -27,7 +27,8 @@ from .sibling_clone import SiblingClone
 
 ACTIVE, SKIPPED, OFF = "active", "skipped", "off"
 
-TECHNIQUES = (CellInitTemplate(), SignatureCache(), FlatNameWalk(), SiblingClone(), GcPause())
+_FLAT_NAME_WALK = FlatNameWalk()
+TECHNIQUES = (CellInitTemplate(), SignatureCache(), _FLAT_NAME_WALK, SiblingClone(), GcPause())
 
 _probe_results: dict[str, str | None] = {}
 _probe_lock = threading.Lock()
@@ -36,6 +37,12 @@ _probe_lock = threading.Lock()
 def engaged_at() -> int | None:
     """The cell of the last build at which its techniques engaged (None: built plainly)."""
     return window.engaged_at
+
+
+def named_parameters(root) -> list | None:
+    """root.parameters_and_names() as a list through flat-name-walk's walk
+    when it is installed for the calling thread's window, else None."""
+    return _FLAT_NAME_WALK.named_parameters(root)
 
 
 def probe_result(technique) -> str | None:

@@ -18,6 +18,7 @@ class FlatNameWalk(Technique):
     whose class overrides the walk methods takes mindspore's own path."""
 
     name = "flat-name-walk"
+    installed = False  # in the open window (named_parameters serves its builder only then)
     description = "Cell.update_parameters_name walks the subtree with one stack instead of nested generators"
     KNOWN_NAMES = frozenset({"Validator", "check_str_and_none_by_regular", "parameters_and_names", "is_init",
                              "name"})
@@ -49,8 +50,8 @@ class FlatNameWalk(Technique):
     def _walk(self, root):
         """(name, parameter) as root.parameters_and_names() yields them, or None
         when a cell of the subtree overrides how it is walked."""
-        plain = self._plain
-        if not plain(type(root)):
+        plain_of, is_plain = self.plain_classes, self._plain
+        if not is_plain(type(root)):
             return None
         seen_cells, seen_params, out = set(), set(), []
         stack = [("", root)]
@@ -59,20 +60,33 @@ class FlatNameWalk(Technique):
             if cell in seen_cells:
                 continue
             seen_cells.add(cell)
+            prefix = cell_name + "." if cell_name else ""
             for par_name, par in cell._params.items():
-                if par is not None and par.inited_param is not None:
-                    par = par.inited_param
-                if par is not None and id(par) not in seen_params:
-                    seen_params.add(id(par))
-                    out.append((cell_name + "." + par_name if cell_name else par_name, par))
-            children = []
-            for child_name, child in cell._cells.items():
-                if child:  # truthiness as cells_and_names tests it (an empty CellList is skipped)
-                    if not plain(type(child)):
-                        return None
-                    children.append((cell_name + "." + child_name if cell_name else child_name, child))
-            stack.extend(reversed(children))
+                if par is not None:
+                    inited = par.inited_param
+                    if inited is not None:
+                        par = inited
+                    if id(par) not in seen_params:
+                        seen_params.add(id(par))
+                        out.append((prefix + par_name, par))
+            if cell._cells:
+                children = []
+                for child_name, child in cell._cells.items():
+                    if child:  # truthiness as cells_and_names tests it (an empty CellList is skipped)
+                        plain = plain_of.get(type(child))
+                        if not (is_plain(type(child)) if plain is None else plain):
+                            return None
+                        children.append((prefix + child_name, child))
+                stack.extend(reversed(children))
         return out
+
+    def named_parameters(self, root):
+        """root.parameters_and_names() as a list, walked with one stack, when
+        this technique is installed and the calling thread is the builder;
+        None otherwise (or when a cell of the subtree overrides the walk)."""
+        if not self.installed or window.builder != threading.get_ident():
+            return None
+        return self._walk(root)
 
     def install(self):
         if vars(self.cell_class).get("update_parameters_name") is not self.original:
@@ -97,9 +111,11 @@ class FlatNameWalk(Technique):
         update_parameters_name.__wrapped__ = original
         update_parameters_name.__doc__ = original.__doc__
         self.cell_class.update_parameters_name = update_parameters_name
+        self.installed = True
         return True
 
     def uninstall(self):
+        self.installed = False
         self.cell_class.update_parameters_name = self.original
 
     def leftovers(self):

@@ -148,9 +148,9 @@ class SiblingClone(Technique):
     # matching calls
 
     def _key(self, cls, args, kwargs):
-        """A hashable key of the call, and the configs' items to check at reuse; None: not matchable."""
+        """A hashable key of the call, and the config-like objects to snapshot; None: not matchable."""
         parts, configs = [cls], []
-        for value in (*args, *(v for _, v in sorted(kwargs.items()))):
+        for value in (args if not kwargs else (*args, *(v for _, v in sorted(kwargs.items())))):
             kind = type(value)
             if kind in SCALARS:
                 parts.append((kind, value))
@@ -160,9 +160,8 @@ class SiblingClone(Technique):
                     or not hasattr(value, "__dict__") or isinstance(value, type):
                 return None
             else:
-                items = list(vars(value).items())
-                parts.append(("object", id(value), tuple(id(v) for _, v in items)))
-                configs.append((value, items))
+                parts.append(("object", id(value), tuple(map(id, vars(value).values()))))
+                configs.append(value)
         if kwargs:
             parts.append(tuple(sorted(kwargs)))
         parts.append(len(args))
@@ -172,8 +171,8 @@ class SiblingClone(Technique):
     def _config_snapshot(configs):
         import copy
 
-        return [(value, [(k, copy.deepcopy(v) if type(v) in (dict, list, set) else v) for k, v in items])
-                for value, items in configs]
+        return [(value, [(k, copy.deepcopy(v) if type(v) in (dict, list, set) else v) for k, v in vars(value).items()])
+                for value in configs]
 
     @staticmethod
     def _configs_unchanged(snapshot) -> bool:
