@@ -3,7 +3,7 @@ ships (its `transformers.models`), for bench_construct.py and
 bench_transformers.py, with each family's own config class: `layers` decoder
 layers of `experts` routed experts (shared experts where the family has
 them). Families whose experts are one fused parameter (granitemoe,
-granitemoeshared, jetmoe, dbrx) get at least 64 layers, to pass 1000 cells."""
+granitemoeshared, jetmoe, dbrx) get at least 80 layers, to pass 1000 cells."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ COMMON = dict(vocab_size=128, hidden_size=32, num_attention_heads=4, num_key_val
 def families(layers=24, experts=128) -> dict:
     """family -> (mindone class name, its config class's keyword arguments)"""
     E = experts
-    F = max(layers, 64)  # experts fused into one parameter: ~16 cells a layer, more layers to pass 1000 cells
+    F = max(layers, 80)  # experts fused into one parameter: 14-18 cells a layer, more layers to pass 1000 cells
     base = dict(**COMMON, num_hidden_layers=layers)
     fused = dict(**COMMON, num_hidden_layers=F, intermediate_size=16, num_local_experts=E, num_experts_per_tok=2)
     # a dense MLP size beside the experts' own (families with shared experts or dense layers)
