@@ -847,7 +847,6 @@ def test_an_exception_in_the_window_leaves_nothing_behind():
     assert nn.Cell.total_instance_count == count
 
 
-
 def test_refresh_parameter_names_sets_only_what_differs(monkeypatch):
     """What init_weights does besides init: every parameter named by its path
     (through flat-name-walk's walk inside a fast window); a wrong name is set,
