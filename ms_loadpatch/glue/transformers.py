@@ -22,8 +22,7 @@ from . import common
 from ..strategy import context
 from ..strategy.assign import assign, cast_parameters, cell_to_keeping_lazy, check_and_pair
 from ..strategy.building import window
-from ..strategy.construct import (as_load_state_dict_leaves_it, initialize_unloaded, lazy_construction,
-                                  refresh_parameter_names, state_index)
+from ..strategy.construct import initialize_unloaded, lazy_construction, refresh_parameter_names, state_index
 from ..strategy.reader import file_named_in_errors, safe_open_error_naming_file
 from ..strategy.tensors import to_tensor
 
@@ -246,7 +245,6 @@ def load_state_dict_into_model(wrapped, instance, args, kwargs):
     with ctx.report.phase("assign"):
         indexes = ctx.state.assign_index
         if id(model_to_load) not in indexes:
-            as_load_state_dict_leaves_it(model_to_load)
             indexes[id(model_to_load)] = state_index(model_to_load)
         try:
             pairs = check_and_pair(indexes[id(model_to_load)], state_dict, model_to_load.__class__.__name__)

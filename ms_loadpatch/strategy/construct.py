@@ -38,19 +38,25 @@ def walk_cells(root, prefix=""):
     """(name, cell, parent chain) in Cell.load_state_dict's traversal order,
     shared cells visited under every name, as that method does."""
     stack = [(prefix, root, ())]
+    pop, push = stack.pop, stack.append
     while stack:
-        name, cell, parents = stack.pop()
+        name, cell, parents = pop()
         yield name, cell, parents
-        children = [(k, c) for k, c in cell._cells.items() if c is not None]
-        for child_name, child in reversed(children):
-            stack.append((f"{name}{child_name}.", child, parents + (cell,)))
+        children = cell._cells
+        if children:
+            chain = parents + (cell,)  # one tuple shared by all children
+            for child_name, child in reversed(children.items()):
+                if child is not None:
+                    push((f"{name}{child_name}.", child, chain))
 
 
 def state_index(root):
     """key -> (kind, owner cell, attribute, object) for every parameter and
-    persistent buffer, under every name that reaches it (tied weights)."""
+    persistent buffer, under every name that reaches it (tied weights).
+    Reads on each cell what Cell.load_state_dict reads (as_load_state_dict_leaves_it)."""
     index = {}
     for prefix, cell, _ in walk_cells(root):
+        as_load_state_dict_leaves_it(cell, prefix)
         for attr, param in cell._params.items():
             if param is not None:
                 index[prefix + attr] = ("param", cell, attr, param)
@@ -67,19 +73,18 @@ def state_index(root):
 _LOAD_HOOKS = ("_load_state_dict_pre_hooks", "_load_state_dict_post_hooks")
 
 
-def as_load_state_dict_leaves_it(root) -> None:
-    """Read on every cell what mindspore's Cell.load_state_dict reads, so the
-    cells' `__dict__` is as an unpatched load leaves it (mindspore makes the
-    hook dicts on first read). The hooks themselves are not run: a cell with
-    one is refused, naming the cell, rather than loaded differently."""
-    for name, cell, _ in walk_cells(root):
-        for attr in _LOAD_HOOKS:
-            hooks = getattr(cell, attr, None)
-            if hooks:
-                raise RuntimeError(
-                    f"ms_loadpatch: cell '{name.rstrip('.') or type(cell).__name__}' "
-                    f"({type(cell).__name__}) has {attr[1:]} registered, which the accelerated load does not run; "
-                    "load this model with ms_loadpatch.disabled()")
+def as_load_state_dict_leaves_it(cell, name: str) -> None:
+    """Read on `cell` (named `name`) what mindspore's Cell.load_state_dict
+    reads, so its `__dict__` is as an unpatched load leaves it (mindspore
+    makes the hook dicts on first read). The hooks themselves are not run: a
+    cell with one is refused, naming the cell, rather than loaded differently."""
+    for attr in _LOAD_HOOKS:
+        hooks = getattr(cell, attr, None)
+        if hooks:
+            raise RuntimeError(
+                f"ms_loadpatch: cell '{name.rstrip('.') or type(cell).__name__}' "
+                f"({type(cell).__name__}) has {attr[1:]} registered, which the accelerated load does not run; "
+                "load this model with ms_loadpatch.disabled()")
 
 
 def initialize_unloaded(root, loaded: dict, initialize_for):

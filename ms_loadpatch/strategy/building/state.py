@@ -8,36 +8,48 @@ from .cell_init_template import CellInitTemplate
 PER_INSTANCE_TIME = CellInitTemplate.PER_INSTANCE_TIME
 
 
+_SCALARS = (type(None), bool, int, float, str, bytes)
+_mindspore_types = None  # (Cell, Parameter, Tensor, Primitive), resolved on first use
+
+
+def _types():
+    global _mindspore_types
+    if _mindspore_types is None:
+        import mindspore as ms
+        from mindspore import nn
+        from mindspore.ops.primitive import Primitive
+
+        _mindspore_types = (nn.Cell, ms.Parameter, ms.Tensor, Primitive)
+    return _mindspore_types
+
+
 def comparable(value, ids: dict, depth=0):
     """A comparable rendering of `value`: objects by structure, identity kept as first-seen order."""
-    import mindspore as ms
-    from mindspore import nn
-    from mindspore.ops.primitive import Primitive
-
     if depth > 12:
         return ("deep", type(value).__name__)
-    if isinstance(value, (type(None), bool, int, float, str, bytes)):
+    if isinstance(value, _SCALARS):
         return value
+    cell_type, parameter_type, tensor_type, primitive_type = _mindspore_types or _types()
     if isinstance(value, type):
         return ("class", value.__module__, value.__qualname__)
     key = id(value)
     if key in ids:
         return ("same-as", ids[key][0])
     ids[key] = (len(ids), value)  # the object is kept: its id cannot be reused while ids lives
-    if isinstance(value, nn.Cell):
+    if isinstance(value, cell_type):
         return ("cell", ids[key][0])  # cells are compared one by one
-    if isinstance(value, ms.Parameter):
+    if isinstance(value, parameter_type):
         init_mode = value.init_mode
         return ("param", type(value).__name__, value.name, tuple(value.shape), str(value.dtype), value.requires_grad,
                 value.has_init, value.layerwise_parallel, value.parallel_optimizer, value.is_init, value.init_flag,
                 value.requires_aggr, value.sliced,
                 comparable(getattr(init_mode, "init", None), ids, depth + 1) if init_mode is not None else None,
                 comparable(vars(value), ids, depth + 1))
-    if isinstance(value, ms.Tensor):
+    if isinstance(value, tensor_type):
         if value.has_init:
             return ("lazy-tensor", tuple(value.shape), str(value.dtype), comparable(value.init, ids, depth + 1))
         return ("tensor", tuple(value.shape), str(value.dtype), value.asnumpy().tobytes())
-    if isinstance(value, Primitive):
+    if isinstance(value, primitive_type):
         return ("primitive", type(value).__qualname__, value.name, comparable(vars(value), ids, depth + 1))
     if isinstance(value, dict):
         return (type(value).__name__, [(k, comparable(v, ids, depth + 1)) for k, v in value.items()])
