@@ -119,8 +119,11 @@ def _print_status(report: dict) -> None:
             print(f"  {row['state']:8} {row['name']}: {row['description']}{reason}")
     build = report.get("last_build")
     if build is not None:
-        print(f"\nlast build in this process: fast construction from cell {build['engaged_at']}, "
-              f"{build['cells_copied']} cells copied from recipes")
+        start = build["engaged_at"]
+        print(f"\nlast build in this process: "
+              + ("built plainly (fewer cells than the start cell)" if start is None else
+                 f"fast construction from cell {start}, {build['cells_copied']} cells copied from recipes")
+              + f", {build.get('host_tensors', 0)} factory tensors made on the host")
         for name, reason in build["not_copied"].items():
             print(f"  built plainly: {name}: {reason}")
 

@@ -142,9 +142,10 @@ def test_env_var_switches_techniques_off():
     with techniques_off("signature-cache, gc-pause"):
         states = {r["name"]: r["state"] for r in building.technique_status()}
         assert states == {"cell-init-template": "active", "signature-cache": "off", "flat-name-walk": "active",
-                          "sibling-clone": "active", "gc-pause": "off"}
+                          "sibling-clone": "active", "gc-pause": "off", "host-factories": "active"}
         assert [t.name for t in building.active_techniques()] == ["cell-init-template", "flat-name-walk",
                                                                    "sibling-clone"]
+        assert [t.name for t in building.active_techniques(early=True)] == ["host-factories"]
     with techniques_off("all"):
         rows = building.technique_status()
         assert {r["state"] for r in rows} == {"off"}
@@ -152,6 +153,90 @@ def test_env_var_switches_techniques_off():
         original = vars(nn.Cell)["__init__"]
         with CONSTRUCTION_LOCK, building.fast_construction():
             assert vars(nn.Cell)["__init__"] is original
+
+
+def _host_factories():
+    return next(t for t in building.TECHNIQUES if t.name == "host-factories")
+
+
+# (function, args, kwargs) mindone calls in __init__; empty's values are undefined: compared by shape and dtype
+HOST_FORMS = [
+    ("ones", (4,), {}), ("ones", ((2, 3),), {}), ("ones", ([3],), {"dtype": ms.bfloat16}),
+    ("ones", ((),), {"dtype": ms.int32}), ("zeros", (5,), {"dtype": ms.bool_}), ("zeros", ((2, 2),), {"dtype": ms.float16}),
+    ("zeros", (2,), {"dtype": ms.int64}), ("zeros", (0,), {}), ("empty", (2, 3), {}), ("empty", ((3,),), {"dtype": ms.float16}),
+    ("empty", (4,), {"dtype": None, "device": None}),
+]
+# forms left to mindspore: not an int size, a device, a dtype without a numpy counterpart
+MINDSPORE_FORMS = [
+    ("ones", (np.int64(3),), {}), ("zeros", ((np.int64(2), 3),), {}), ("ones", (ms.Tensor([2, 3]),), {}),
+    ("empty", (2,), {"device": "CPU"}), ("empty", (2,), {"pin_memory": False}), ("ones", (2,), {"dtype": ms.complex64}),
+    ("ones", (2,), {"dtype": ms.uint16}),
+]
+
+
+def test_host_factories_make_what_mindspore_makes():
+    technique = _host_factories()
+    expected = [getattr(ms.mint, f)(*a, **k) for f, a, k in HOST_FORMS + MINDSPORE_FORMS]
+    with CONSTRUCTION_LOCK, lazy_construction(fast=True):
+        before = technique.made
+        host = [getattr(ms.mint, f)(*a, **k) for f, a, k in HOST_FORMS]
+        assert technique.made - before == len(HOST_FORMS)
+        left = [getattr(ms.mint, f)(*a, **k) for f, a, k in MINDSPORE_FORMS]
+        assert technique.made - before == len(HOST_FORMS)  # none of these was made on the host
+        params = [ms.Parameter(ms.mint.ones(3)), ms.Parameter(ms.mint.empty(2, 2))]
+    for (function, args, kwargs), want, got in zip(HOST_FORMS + MINDSPORE_FORMS, expected, host + left):
+        assert type(got) is type(want) and got.shape == want.shape and got.dtype == want.dtype, (function, args, kwargs)
+        if function != "empty":
+            assert got.asnumpy().tobytes() == want.asnumpy().tobytes(), (function, args, kwargs)
+    assert params[0].asnumpy().tolist() == [1.0, 1.0, 1.0] and params[1].shape == (2, 2)
+
+
+def test_host_factories_serve_only_the_building_thread_and_window():
+    import threading
+
+    technique = _host_factories()
+    with CONSTRUCTION_LOCK, lazy_construction(fast=True):
+        before = technique.made
+        other = []
+        worker = threading.Thread(target=lambda: other.append(ms.mint.ones(2)))
+        worker.start()
+        worker.join()
+        assert technique.made == before and other[0].asnumpy().tolist() == [1.0, 1.0]
+        # the probes' windows, opened while this one is open (at the start cell), get mindspore's own functions
+        seen = []
+
+        def probe_build():
+            model, _, _ = probe._build_probe((), technique.probe_model)
+            seen.append(model)
+            return []
+
+        window._install_chosen(probe_build, [])
+        assert seen and technique.made == before
+        ms.mint.zeros(2)
+        assert technique.made == before + 1
+    ms.mint.zeros(2)
+    assert technique.made == before + 1
+
+
+def test_host_factories_probe_catches_a_different_tensor(monkeypatch):
+    technique = _host_factories()
+    technique.prepare()
+    assert probe.run_probe(technique) is None
+    host, prepare = technique._host, technique.prepare
+    # float32 ones made as twos: shape and dtype right, values wrong
+    monkeypatch.setattr(technique, "_host",
+                        lambda *a: made * 2 if (made := host(*a)) is not None and made.dtype == ms.float32 else made)
+    assert "values differ" in probe.run_probe(technique)
+    monkeypatch.setattr(technique, "_host", host)
+
+    def prepare_wrong_default():
+        prepare()
+        technique.default_dtype = ms.float16
+
+    monkeypatch.setattr(technique, "prepare", prepare_wrong_default)
+    assert "differs" in probe.run_probe(technique)
+    monkeypatch.setattr(technique, "prepare", prepare)
+    assert probe.run_probe(technique) is None
 
 
 def test_window_installs_and_restores():
@@ -162,13 +247,16 @@ def test_window_installs_and_restores():
     linear_init, relu_has_init = vars(ms.mint.nn.Linear)["__init__"], "__init__" in vars(nn.ReLU)
     count = nn.Cell.total_instance_count
     primitive_module = ms.ops.prim_attr_register.__globals__
+    factories = {name: getattr(ms.mint, name) for name in ("ones", "zeros", "empty")}
     with CONSTRUCTION_LOCK, lazy_construction(fast=True):
+        assert all(getattr(ms.mint, name) is not f for name, f in factories.items())
         assert all(vars(nn.Cell)[k] is not v for k, v in originals.items())
         assert primitive_module["inspect"] is not inspect
         assert not gc.isenabled()
         built = [ms.mint.nn.Linear(2, 2) for _ in range(4)] + [nn.ReLU() for _ in range(2)]
         assert vars(ms.mint.nn.Linear)["__init__"] is not linear_init  # hooked for sibling-clone
     assert all(vars(nn.Cell)[k] is v for k, v in originals.items())
+    assert all(getattr(ms.mint, name) is f for name, f in factories.items())
     assert vars(ms.mint.nn.Linear)["__init__"] is linear_init and ("__init__" in vars(nn.ReLU)) == relu_has_init
     assert primitive_module["inspect"] is inspect and gc.isenabled()
     assert nn.Cell.total_instance_count == count + 6  # the deferred count is added when the window closes
@@ -314,11 +402,12 @@ def _start_child(python_proc, start, *args):
 
 
 def test_default_start_builds_a_small_model_plainly(python_proc, checkpoints):
-    """Unset, a model of fewer cells than DEFAULT_START never runs the probes
-    nor installs a technique, built or loaded; the load report says so."""
+    """Unset, a model of fewer cells than DEFAULT_START never runs the shared
+    probes nor installs a technique but the early one (host-factories, on its
+    own small probe), built or loaded; the load report says so."""
     out = _start_child(python_proc, None, checkpoints["mixtral"][1])
     assert out["start"] == window.DEFAULT_START and out["cells"] < window.DEFAULT_START
-    assert out["probed"] == {} and out["engaged_at"] is None and out["cloned"] == 0
+    assert out["probed"] == {"host-factories": None} and out["engaged_at"] is None and out["cloned"] == 0
     assert out["engaged_after_probes"] is None  # the probes' own windows do not count as the build's
     assert out["same_state"] is True and out["leftovers"] == []
     assert out["loaded_same"] and out["report_from"] is None and "fast construction" not in out["summary"]
@@ -407,11 +496,14 @@ def test_load_report_and_status_say_what_was_copied_and_why_not(checkpoints):
         cls.from_pretrained(path)
     report = context.last_report()
     assert report.cells_copied > 0 and f"({report.cells_copied} cells copied)" in report.summary()
+    # every norm's weight (Parameter(mint.ones(n))): 2 layers x 4 norms and the final one
+    assert report.host_tensors >= 9 and f"{report.host_tensors} factory tensors made on the host" in report.summary()
     # norms hold parameters made from tensors (never lazy): built by __init__, and said so
     norm = next(name for name in report.not_copied if name.endswith("Qwen3MoeRMSNorm"))
     assert "not lazy" in report.not_copied[norm]
     build = ms_loadpatch.status()["last_build"]
-    assert build == {"engaged_at": 0, "cells_copied": report.cells_copied, "not_copied": report.not_copied}
+    assert build == {"engaged_at": 0, "cells_copied": report.cells_copied, "not_copied": report.not_copied,
+                     "host_tensors": report.host_tensors}
 
 
 def test_a_block_of_copied_experts_gets_no_recipe_of_its_own():

@@ -40,6 +40,7 @@ class LoadReport:
         self.fast_construction_from = None  # the cell where fast construction engaged (None: built plainly)
         self.cells_copied = 0  # cells sibling-clone copied from a recipe
         self.not_copied: dict[str, str] = {}  # class built more than once, never copied -> the first reason
+        self.host_tensors = 0  # mint.ones / zeros / empty results host-factories made from host memory
         self.gc_paused = False  # cyclic garbage collection paused for the whole load (gc-pause)
         self.total = 0.0
 
@@ -59,6 +60,7 @@ class LoadReport:
             build = window.last_build() or {}
             self.cells_copied = build.get("cells_copied", 0)
             self.not_copied = build.get("not_copied", {})
+            self.host_tensors = build.get("host_tensors", 0)
 
     def as_dict(self) -> dict:
         return {k: v for k, v in vars(self).items()}
@@ -79,6 +81,8 @@ class LoadReport:
     def _construction_text(self) -> str:
         start = self.fast_construction_from
         text = "" if start is None else f", fast construction from cell {start} ({self.cells_copied} cells copied)"
+        if self.host_tensors:
+            text += f", {self.host_tensors} factory tensors made on the host"
         return text + (", gc paused" if self.gc_paused else "")
 
     def _rank_text(self) -> str:

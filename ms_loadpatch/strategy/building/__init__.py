@@ -21,6 +21,7 @@ from . import window
 from .cell_init_template import CellInitTemplate
 from .flat_name_walk import FlatNameWalk
 from .gc_pause import GcPause
+from .host_factories import HostFactories
 from .probe import run_probes
 from .signature_cache import SignatureCache
 from .sibling_clone import SiblingClone
@@ -28,7 +29,7 @@ from .sibling_clone import SiblingClone
 ACTIVE, SKIPPED, OFF = "active", "skipped", "off"
 
 _FLAT_NAME_WALK = FlatNameWalk()
-TECHNIQUES = (CellInitTemplate(), SignatureCache(), _FLAT_NAME_WALK, SiblingClone(), GcPause())
+TECHNIQUES = (CellInitTemplate(), SignatureCache(), _FLAT_NAME_WALK, SiblingClone(), GcPause(), HostFactories())
 
 _probe_results: dict[str, str | None] = {}
 _probe_lock = threading.Lock()
@@ -50,8 +51,8 @@ def probe_result(technique) -> str | None:
     if window.depth:  # inside a window the probe would compare the fast path with itself
         raise RuntimeError("ms_loadpatch: fast-construction probes cannot run inside a construction window")
     with _probe_lock:
-        if technique.name not in _probe_results:
-            _probe_results.update(run_probes(TECHNIQUES))
+        if technique.name not in _probe_results:  # the early ones alone: a small build need not pay the others'
+            _probe_results.update(run_probes([t for t in TECHNIQUES if t.engages_early == technique.engages_early]))
         return _probe_results[technique.name]
 
 
@@ -77,8 +78,11 @@ def technique_status() -> list[dict]:
     return rows
 
 
-def active_techniques() -> list:
-    return [t for t in TECHNIQUES if not switch.is_off(t.name) and probe_result(t) is None]
+def active_techniques(early: bool = False) -> list:
+    """The techniques switched on whose probe passed: those installed once a
+    build reaches its start cell, or (`early`) those installed when it begins."""
+    return [t for t in TECHNIQUES
+            if t.engages_early == early and not switch.is_off(t.name) and probe_result(t) is None]
 
 
 def leftovers() -> list[str]:
@@ -110,5 +114,5 @@ def fast_construction(lazy_parameters: bool = True):
         techniques = active_techniques()
         return techniques if lazy_parameters else [t for t in techniques if not isinstance(t, SiblingClone)]
 
-    with window.open_window(choose, window.start_after_cells()):
+    with window.open_window(choose, window.start_after_cells(), early=lambda: active_techniques(early=True)):
         yield

@@ -135,12 +135,12 @@ def _no_cyclic_collection():
             gc.enable()
 
 
-def _build_probe(techniques=()):
+def _build_probe(techniques=(), make=_probe_model):
     with lazy_parameters(), \
             (contextlib.nullcontext() if any(t.pauses_collection for t in techniques) else _no_cyclic_collection()):
         before = _registries()
         with window.open_window(lambda: list(techniques), record=False):
-            model = _probe_model()
+            model = make()
         after = _registries()
     registered = _compile_cache_entries(model)
     return model, tuple(a - b if a is not None and b is not None else None for a, b in zip(after, before)), registered
@@ -215,20 +215,51 @@ def _compare(techniques) -> str | None:
     return None
 
 
+def _compare_own(technique) -> str | None:
+    """None when the technique's own probe model (`technique.probe_model`)
+    built with it equals a plain build: registries, whole state, and what
+    `technique.probe_values` renders (values the state leaves out)."""
+    try:
+        plain, plain_delta, plain_registered = _build_probe((), technique.probe_model)
+        token = technique.probe_started()
+        candidate, cand_delta, cand_registered = _build_probe((technique,), technique.probe_model)
+        reason = technique.probe_finished(token)
+        if reason is not None:
+            return reason
+        if plain_delta != cand_delta:
+            return f"global registries change differently (instance count, compile cache, cells): {cand_delta} != {plain_delta}"
+        if plain_registered != cand_registered:
+            return "cells are registered in the compile cache differently"
+        plain_state, cand_state = model_state(plain), model_state(candidate)
+        if plain_state != cand_state:
+            return f"the probe model differs: {first_difference(plain_state, cand_state)}"
+        plain_values, cand_values = technique.probe_values(plain), technique.probe_values(candidate)
+        if plain_values != cand_values:
+            return f"the probe model's values differ: {first_difference(plain_values, cand_values)}"
+    except Exception as exc:
+        return f"the probe failed: {type(exc).__name__}: {exc}"
+    return None
+
+
 def run_probe(technique) -> str | None:
     """None when the probe model built with `technique` alone equals the plain one."""
+    if getattr(technique, "probe_model", None) is not None:
+        return _prepare(technique) or _compare_own(technique)
     return _prepare(technique) or _compare([technique])
 
 
 def run_probes(techniques) -> dict[str, str | None]:
-    """Every technique's verdict: one probe build with all that prepare;
-    only if that differs, one per technique to find which."""
+    """Every technique's verdict: one probe build with all that prepare
+    (a technique with a probe model of its own: on that one, alone); only if
+    that differs, one per technique to find which."""
     results, ready = {}, []
     for technique in techniques:
         reason = _prepare(technique)
-        results[technique.name] = reason
-        if reason is None:
+        if reason is None and getattr(technique, "probe_model", None) is not None:
+            reason = _compare_own(technique)
+        elif reason is None:
             ready.append(technique)
+        results[technique.name] = reason
     if ready and _compare(ready) is not None:
         for technique in ready:
             results[technique.name] = _compare([technique])

@@ -21,6 +21,10 @@ class Technique:
     description = ""
     # the probe build leaves cyclic collection to the technique (gc-pause)
     pauses_collection = False
+    # installed when the window opens, not once the build reaches its start cell
+    engages_early = False
+    # a model of its own to probe on (with `probe_values(model)`), instead of the shared one
+    probe_model = None
 
     def prepare(self) -> None:
         raise NotImplementedError

@@ -22,6 +22,9 @@ DEFAULT_START = 1000
 # The thread whose construction takes the fast paths (None: no window open).
 builder: int | None = None
 depth = 0
+# Counts outermost windows: a technique installed in one window is not served
+# in the probes' windows opened inside it (the same thread builds both).
+generation = 0
 # Cells the last outermost window had built when its techniques engaged (None: never).
 engaged_at: int | None = None
 # What techniques noted about the last recorded window (name -> notes), and
@@ -32,13 +35,15 @@ recording = False
 
 def last_build() -> dict | None:
     """The last recorded build: the cell where its techniques engaged, the
-    cells sibling-clone copied, and each class built more than once but never
-    copied with the first reason. None before any build engaged or noted."""
+    cells sibling-clone copied, each class built more than once but never
+    copied with the first reason, and the tensors host-factories made. None
+    before any build engaged or noted."""
     if not notes and engaged_at is None:
         return None
     copies = notes.get("sibling-clone", {})
     return {"engaged_at": engaged_at, "cells_copied": copies.get("cells_copied", 0),
-            "not_copied": dict(copies.get("not_copied", {}))}
+            "not_copied": dict(copies.get("not_copied", {})),
+            "host_tensors": notes.get("host-factories", {}).get("tensors", 0)}
 
 
 def window_open() -> bool:
@@ -126,13 +131,13 @@ def counter_left_installed() -> bool:
 def _install_chosen(choose, installed) -> bool:
     """Runs the probes (outside the open window: they build models of their
     own) and installs the active techniques into it; True when any was."""
-    global builder, depth, recording
-    saved = builder, depth, recording
+    global builder, depth, recording, generation
+    saved = builder, depth, recording, generation
     builder, depth = None, 0
     try:
         techniques = choose()
     finally:
-        builder, depth, recording = saved
+        builder, depth, recording, generation = saved
     before = len(installed)
     for technique in techniques:
         if technique.install():
@@ -141,12 +146,13 @@ def _install_chosen(choose, installed) -> bool:
 
 
 @contextlib.contextmanager
-def open_window(choose, start: int = 0, record: bool = True):
+def open_window(choose, start: int = 0, record: bool = True, early=None):
     """Open the building thread's window (the caller holds CONSTRUCTION_LOCK):
     `choose()` gives the techniques, installed at once when `start` is 0,
-    else once the build has made `start` cells. `record`: the window sets
+    else once the build has made `start` cells; `early()` gives those
+    installed at once whatever `start`. `record`: the window sets
     `engaged_at` (the probes' windows do not)."""
-    global builder, depth, engaged_at, recording
+    global builder, depth, engaged_at, recording, generation
     if depth:
         if builder != threading.get_ident():  # cannot happen under the lock; never share a window
             raise RuntimeError("ms_loadpatch: fast construction window opened from two threads")
@@ -160,10 +166,13 @@ def open_window(choose, start: int = 0, record: bool = True):
     try:
         builder = threading.get_ident()
         depth = 1
+        generation += 1
         recording = record
         if record:
             engaged_at = None
             notes.clear()
+        if early is not None:
+            _install_chosen(early, installed)
         if start > 0:
             counter = _StartCounter(start, lambda: _install_chosen(choose, installed))
             counter.install()

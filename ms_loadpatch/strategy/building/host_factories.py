@@ -1,0 +1,183 @@
+"""host-factories: `mint.ones / zeros / empty` in the building thread made from host memory."""
+
+from __future__ import annotations
+
+import threading
+
+from . import window
+from .technique import ProbeFailed, Technique
+
+
+class HostFactories(Technique):
+    """`Parameter(mint.ones(n))`, the weight of an RMSNorm in most of
+    mindone's models, runs an op through mindspore's asynchronous pipeline
+    and the Parameter then waits for it (`param_info` -> `wait_pipeline`):
+    a hand-off between threads of 0.7-4 ms per tensor on a busy host,
+    whatever its size. In the building thread the fast path makes the same
+    tensor from a numpy array: same shape, dtype and values (`empty`'s are
+    undefined either way). A form it does not know (a device, pinned memory,
+    a dtype without a numpy counterpart, sizes that are not ints) takes
+    mindspore's own function."""
+
+    name = "host-factories"
+    description = ("mint.ones / zeros / empty while a model is built: made from host memory, without a round trip "
+                   "through mindspore's op pipeline")
+    # Installed from a build's first cell (not after window.DEFAULT_START
+    # cells): it saves milliseconds per tensor and its own probe model is tiny.
+    engages_early = True
+    FUNCTIONS = ("ones", "zeros", "empty")
+
+    def __init__(self):
+        self.module = None
+        self.originals: dict = {}
+        self.wrappers: dict = {}
+        self.made = self.made_before = 0  # tensors made on the host: in all, before the last install
+
+    def prepare(self):
+        import numpy as np
+        import mindspore as ms
+        from mindspore import mint
+
+        originals = {}
+        for name in self.FUNCTIONS:
+            function = getattr(mint, name, None)
+            if not callable(function):
+                raise ProbeFailed(f"mindspore.mint has no {name}")
+            originals[name] = function
+        # mindspore dtype -> (numpy dtype the array is made in, dtype given to Tensor or None)
+        numpy_of = {}
+        for ms_name, np_type in (("float32", np.float32), ("float16", np.float16), ("float64", np.float64),
+                                 ("int8", np.int8), ("int16", np.int16), ("int32", np.int32), ("int64", np.int64),
+                                 ("uint8", np.uint8), ("bool_", np.bool_)):
+            dtype = getattr(ms, ms_name, None)
+            if dtype is not None:
+                numpy_of[dtype] = (np_type, None)
+        if getattr(ms, "bfloat16", None) is not None:  # numpy has none: made in float32, converted on the host
+            numpy_of[ms.bfloat16] = (np.float32, ms.bfloat16)
+        self.module, self.originals, self.numpy_of = mint, originals, numpy_of
+        self.fills = {"ones": np.ones, "zeros": np.zeros, "empty": np.empty}
+        self.tensor = ms.Tensor
+        self.default_dtype = ms.float32  # mint's documented default when dtype is None; the probe checks it
+
+    @staticmethod
+    def _shape(args, varargs: bool):
+        """The shape from `ones(size)` / `empty(*size)` arguments, None for anything else."""
+        if varargs and len(args) != 1:
+            size = args
+        elif len(args) == 1:
+            size = args[0]
+        else:
+            return None
+        if type(size) is int:
+            size = (size,)
+        elif type(size) not in (tuple, list):
+            return None
+        if not all(type(n) is int and n >= 0 for n in size):
+            return None
+        return tuple(size)
+
+    def _host(self, name, args, kwargs):
+        """The tensor `mint.<name>(*args, **kwargs)` gives, made from numpy; None: a form not handled."""
+        dtype = kwargs.pop("dtype", None)
+        if name == "empty" and kwargs.get("device", 0) is None:
+            kwargs.pop("device")
+        if kwargs or not args:
+            return None
+        shape = self._shape(args, varargs=name == "empty")
+        if shape is None:
+            return None
+        made_in = self.numpy_of.get(self.default_dtype if dtype is None else dtype)
+        if made_in is None:
+            return None
+        np_type, convert_to = made_in
+        array = self.fills[name](shape, np_type)
+        self.made += 1
+        return self.tensor(array) if convert_to is None else self.tensor(array, dtype=convert_to)
+
+    def install(self):
+        module = self.module
+        if any(getattr(module, name, None) is not original for name, original in self.originals.items()):
+            return False
+        technique, serving = self, window.generation
+        wrappers = {}
+        for name, original in self.originals.items():
+            def factory(*args, _name=name, _original=original, **kwargs):
+                if window.builder == threading.get_ident() and window.generation == serving:
+                    made = technique._host(_name, args, dict(kwargs))
+                    if made is not None:
+                        return made
+                return _original(*args, **kwargs)
+
+            factory.__wrapped__ = original
+            factory.__doc__ = original.__doc__
+            factory.__name__ = factory.__qualname__ = name
+            wrappers[name] = factory
+        for name, wrapper in wrappers.items():
+            setattr(module, name, wrapper)
+        self.wrappers = wrappers
+        self.made_before = self.made
+        return True
+
+    def uninstall(self):
+        for name, wrapper in self.wrappers.items():
+            if getattr(self.module, name, None) is wrapper:
+                setattr(self.module, name, self.originals[name])
+        self.wrappers = {}
+        if window.recording:
+            window.notes[self.name] = {"tensors": self.made - self.made_before}
+
+    def leftovers(self):
+        return [f"mindspore.mint.{name} is still the host-factories wrapper" for name, wrapper in self.wrappers.items()
+                if getattr(self.module, name, None) is wrapper]
+
+    def probe_started(self):
+        return self.made
+
+    def probe_finished(self, token):
+        return None if self.made > token else "the probe model's factories were not served from host memory"
+
+    # The probe: a model of its own (the shared one has no mint factories), built plain and with this technique.
+    UNDEFINED_VALUES = ("slots", "spare")  # parameters made by `empty`: their values are compared by shape and dtype only
+
+    @staticmethod
+    def probe_model():
+        import mindspore as ms
+        from mindspore import Parameter, mint, nn
+
+        class Norm(nn.Cell):
+            def __init__(self):
+                super().__init__()
+                self.weight = Parameter(mint.ones(4))
+                self.bias = Parameter(mint.zeros((2, 3), dtype=ms.float16))
+                self.half = Parameter(mint.ones([3], dtype=ms.bfloat16))
+                self.slots = Parameter(mint.empty(2, 3))
+                self.spare = Parameter(mint.empty((3,), dtype=ms.float16))
+                self.register_buffer("mask", mint.zeros(5, dtype=ms.bool_))
+                self.step = mint.ones((), dtype=ms.int32)
+
+            def construct(self, x):
+                return x * self.weight
+
+        class Model(nn.Cell):
+            def __init__(self):
+                super().__init__()
+                self.norms = nn.CellList([Norm()])
+                self.gate = Parameter(mint.zeros(2, dtype=ms.int64), name="gate", requires_grad=False)
+
+            def construct(self, x):
+                return self.norms[0](x)
+
+        return Model()
+
+    def probe_values(self, model) -> list:
+        """What the state comparison leaves out: each parameter's values (but
+        `empty`'s), and where every parameter, buffer and tensor attribute lives."""
+        out = []
+        for name, param in model.parameters_and_names():
+            undefined = name.rsplit(".", 1)[-1] in self.UNDEFINED_VALUES
+            out.append((name, str(getattr(param, "device", None)), None if undefined else param.asnumpy().tobytes()))
+        for name, cell in model.cells_and_names():
+            tensors = list(vars(cell).items()) + list(getattr(cell, "_buffers", {}).items())
+            out += [(f"{name}.{key}", str(getattr(value, "device", None))) for key, value in tensors
+                    if isinstance(value, self.tensor)]
+        return out
