@@ -587,6 +587,8 @@ def format_table(results: dict, title: str | None = None) -> str:
         lines.append(f"  technique: {report.get('technique')}"
                      + (f", fast construction from cell {start}" if start is not None else
                         " (cells built plainly)")
+                     + (f", {report['host_tensors']} factory tensors made on the host"
+                        if report.get("host_tensors") else "")
                      + (", gc paused" if report.get("gc_paused") else ""))
     else:
         lines.append("  patched load: no load report (mindone's own path ran, e.g. a class that overrides its loading)")

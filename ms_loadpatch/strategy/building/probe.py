@@ -1,7 +1,8 @@
 """The probe: a small model built plain and with techniques, whole states compared.
 
 Runs once per process on the installed mindspore (all techniques together
-first; only if that differs, each alone to find which). Compared: every
+first; only if that differs, each alone to find which; a technique with a
+probe model of its own, alone on that one). Compared: every
 cell's class, `__dict__` keys in order and values, parameter metadata,
 primitive attributes, global registries, compile-cache entries, and the
 output of a forward pass. Legitimately per instance: `Cell._create_time`
@@ -190,6 +191,19 @@ def _prepare(technique) -> str | None:
     return None
 
 
+def _build_difference(reference, candidate) -> str | None:
+    """Why a probe build differs from the plain one, each given as (registry
+    deltas, compile-cache entries, model state); None when it does not."""
+    (ref_delta, ref_registered, ref_state), (delta, registered, state) = reference, candidate
+    if ref_delta != delta:
+        return f"global registries change differently (instance count, compile cache, cells): {delta} != {ref_delta}"
+    if ref_registered != registered:
+        return "cells are registered in the compile cache differently"
+    if ref_state != state:
+        return f"the probe model differs: {first_difference(ref_state, state)}"
+    return None
+
+
 def _compare(techniques) -> str | None:
     """None when the probe model built with `techniques` equals the plain one."""
     try:
@@ -200,13 +214,10 @@ def _compare(techniques) -> str | None:
             reason = technique.probe_finished(token)
             if reason is not None:
                 return reason
-        if ref_delta != cand_delta:
-            return f"global registries change differently (instance count, compile cache, cells): {cand_delta} != {ref_delta}"
-        if ref_registered != cand_registered:
-            return "cells are registered in the compile cache differently"
-        cand_state = model_state(candidate)
-        if ref_state != cand_state:
-            return f"the probe model differs: {first_difference(ref_state, cand_state)}"
+        reason = _build_difference((ref_delta, ref_registered, ref_state),
+                                   (cand_delta, cand_registered, model_state(candidate)))
+        if reason is not None:
+            return reason
         output = _probe_output(candidate)
         if output.dtype != ref_output.dtype or output.tobytes() != ref_output.tobytes():
             return "the probe model computes a different output"
@@ -226,13 +237,10 @@ def _compare_own(technique) -> str | None:
         reason = technique.probe_finished(token)
         if reason is not None:
             return reason
-        if plain_delta != cand_delta:
-            return f"global registries change differently (instance count, compile cache, cells): {cand_delta} != {plain_delta}"
-        if plain_registered != cand_registered:
-            return "cells are registered in the compile cache differently"
-        plain_state, cand_state = model_state(plain), model_state(candidate)
-        if plain_state != cand_state:
-            return f"the probe model differs: {first_difference(plain_state, cand_state)}"
+        reason = _build_difference((plain_delta, plain_registered, model_state(plain)),
+                                   (cand_delta, cand_registered, model_state(candidate)))
+        if reason is not None:
+            return reason
         plain_values, cand_values = technique.probe_values(plain), technique.probe_values(candidate)
         if plain_values != cand_values:
             return f"the probe model's values differ: {first_difference(plain_values, cand_values)}"
