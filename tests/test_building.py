@@ -161,32 +161,40 @@ def _host_factories():
 
 # (function, args, kwargs) mindone calls in __init__; empty's values are undefined: compared by shape and dtype
 HOST_FORMS = [
-    ("ones", (4,), {}), ("ones", ((2, 3),), {}), ("ones", ([3],), {"dtype": ms.bfloat16}),
-    ("ones", ((),), {"dtype": ms.int32}), ("zeros", (5,), {"dtype": ms.bool_}), ("zeros", ((2, 2),), {"dtype": ms.float16}),
-    ("zeros", (2,), {"dtype": ms.int64}), ("zeros", (0,), {}), ("empty", (2, 3), {}), ("empty", ((3,),), {"dtype": ms.float16}),
-    ("empty", (4,), {"dtype": None, "device": None}),
+    ("mint.ones", (4,), {}), ("mint.ones", ((2, 3),), {}), ("mint.ones", ([3],), {"dtype": ms.bfloat16}),
+    ("mint.ones", ((),), {"dtype": ms.int32}), ("mint.zeros", (5,), {"dtype": ms.bool_}),
+    ("mint.zeros", ((2, 2),), {"dtype": ms.float16}), ("mint.zeros", (2,), {"dtype": ms.int64}), ("mint.zeros", (0,), {}),
+    ("mint.empty", (2, 3), {}), ("mint.empty", ((3,),), {"dtype": ms.float16}),
+    ("mint.empty", (4,), {"dtype": None, "device": None}),
+    ("ops.ones", (4,), {}), ("ops.ones", ((2, 3), ms.float16), {}), ("ops.zeros", ([2],), {"dtype": ms.int32}),
 ]
 # forms left to mindspore: not an int size, a device, a dtype without a numpy counterpart
 MINDSPORE_FORMS = [
-    ("ones", (np.int64(3),), {}), ("zeros", ((np.int64(2), 3),), {}), ("ones", (ms.Tensor([2, 3]),), {}),
-    ("empty", (2,), {"device": "CPU"}), ("empty", (2,), {"pin_memory": False}), ("ones", (2,), {"dtype": ms.complex64}),
-    ("ones", (2,), {"dtype": ms.uint16}),
+    ("mint.ones", (np.int64(3),), {}), ("mint.zeros", ((np.int64(2), 3),), {}), ("mint.ones", (ms.Tensor([2, 3]),), {}),
+    ("mint.empty", (2,), {"device": "CPU"}), ("mint.empty", (2,), {"pin_memory": False}),
+    ("mint.ones", (2,), {"dtype": ms.complex64}), ("mint.ones", (2,), {"dtype": ms.uint16}),
+    ("ops.ones", (ms.Tensor([2, 3]),), {}),
 ]
+
+
+def _factory(name):
+    module, function = name.split(".")
+    return getattr(getattr(ms, module), function)
 
 
 def test_host_factories_make_what_mindspore_makes():
     technique = _host_factories()
-    expected = [getattr(ms.mint, f)(*a, **k) for f, a, k in HOST_FORMS + MINDSPORE_FORMS]
+    expected = [_factory(f)(*a, **k) for f, a, k in HOST_FORMS + MINDSPORE_FORMS]
     with CONSTRUCTION_LOCK, lazy_construction(fast=True):
         before = technique.made
-        host = [getattr(ms.mint, f)(*a, **k) for f, a, k in HOST_FORMS]
+        host = [_factory(f)(*a, **k) for f, a, k in HOST_FORMS]
         assert technique.made - before == len(HOST_FORMS)
-        left = [getattr(ms.mint, f)(*a, **k) for f, a, k in MINDSPORE_FORMS]
+        left = [_factory(f)(*a, **k) for f, a, k in MINDSPORE_FORMS]
         assert technique.made - before == len(HOST_FORMS)  # none of these was made on the host
         params = [ms.Parameter(ms.mint.ones(3)), ms.Parameter(ms.mint.empty(2, 2))]
     for (function, args, kwargs), want, got in zip(HOST_FORMS + MINDSPORE_FORMS, expected, host + left):
         assert type(got) is type(want) and got.shape == want.shape and got.dtype == want.dtype, (function, args, kwargs)
-        if function != "empty":
+        if function != "mint.empty":
             assert got.asnumpy().tobytes() == want.asnumpy().tobytes(), (function, args, kwargs)
     assert params[0].asnumpy().tolist() == [1.0, 1.0, 1.0] and params[1].shape == (2, 2)
 
@@ -247,16 +255,16 @@ def test_window_installs_and_restores():
     linear_init, relu_has_init = vars(ms.mint.nn.Linear)["__init__"], "__init__" in vars(nn.ReLU)
     count = nn.Cell.total_instance_count
     primitive_module = ms.ops.prim_attr_register.__globals__
-    factories = {name: getattr(ms.mint, name) for name in ("ones", "zeros", "empty")}
+    factories = {name: _factory(name) for name in ("mint.ones", "mint.zeros", "mint.empty", "ops.ones", "ops.zeros")}
     with CONSTRUCTION_LOCK, lazy_construction(fast=True):
-        assert all(getattr(ms.mint, name) is not f for name, f in factories.items())
+        assert all(_factory(name) is not f for name, f in factories.items())
         assert all(vars(nn.Cell)[k] is not v for k, v in originals.items())
         assert primitive_module["inspect"] is not inspect
         assert not gc.isenabled()
         built = [ms.mint.nn.Linear(2, 2) for _ in range(4)] + [nn.ReLU() for _ in range(2)]
         assert vars(ms.mint.nn.Linear)["__init__"] is not linear_init  # hooked for sibling-clone
     assert all(vars(nn.Cell)[k] is v for k, v in originals.items())
-    assert all(getattr(ms.mint, name) is f for name, f in factories.items())
+    assert all(_factory(name) is f for name, f in factories.items())
     assert vars(ms.mint.nn.Linear)["__init__"] is linear_init and ("__init__" in vars(nn.ReLU)) == relu_has_init
     assert primitive_module["inspect"] is inspect and gc.isenabled()
     assert nn.Cell.total_instance_count == count + 6  # the deferred count is added when the window closes

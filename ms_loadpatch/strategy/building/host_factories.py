@@ -10,7 +10,7 @@ from .technique import ProbeFailed, Technique
 
 class HostFactories(Technique):
     """`Parameter(mint.ones(n))`, the weight of an RMSNorm in most of
-    mindone's models, runs an op through mindspore's asynchronous pipeline
+    mindone's models (`ops.ones` in some, Qwen2 among them), runs an op through mindspore's asynchronous pipeline
     and the Parameter then waits for it (`param_info` -> `wait_pipeline`):
     a hand-off between threads of 0.7-4 ms per tensor on a busy host,
     whatever its size. In the building thread the fast path makes the same
@@ -20,15 +20,16 @@ class HostFactories(Technique):
     mindspore's own function."""
 
     name = "host-factories"
-    description = ("mint.ones / zeros / empty while a model is built: made from host memory, without a round trip "
-                   "through mindspore's op pipeline")
+    description = ("mint.ones / zeros / empty and ops.ones / zeros while a model is built: made from host memory, "
+                   "without a round trip through mindspore's op pipeline")
     # Installed from a build's first cell (not after window.DEFAULT_START
     # cells): it saves milliseconds per tensor and its own probe model is tiny.
     engages_early = True
-    FUNCTIONS = ("ones", "zeros", "empty")
+    # (module, function): ops' take the dtype as a second positional argument too
+    FUNCTIONS = (("mint", "ones"), ("mint", "zeros"), ("mint", "empty"), ("ops", "ones"), ("ops", "zeros"))
 
     def __init__(self):
-        self.module = None
+        self.modules: dict = {}
         self.originals: dict = {}
         self.wrappers: dict = {}
         self.made = self.made_before = 0  # tensors made on the host: in all, before the last install
@@ -36,14 +37,14 @@ class HostFactories(Technique):
     def prepare(self):
         import numpy as np
         import mindspore as ms
-        from mindspore import mint
+        from mindspore import mint, ops
 
-        originals = {}
-        for name in self.FUNCTIONS:
-            function = getattr(mint, name, None)
+        modules, originals = {"mint": mint, "ops": ops}, {}
+        for key in self.FUNCTIONS:
+            function = getattr(modules[key[0]], key[1], None)
             if not callable(function):
-                raise ProbeFailed(f"mindspore.mint has no {name}")
-            originals[name] = function
+                raise ProbeFailed(f"mindspore.{key[0]} has no {key[1]}")
+            originals[key] = function
         # mindspore dtype -> (numpy dtype the array is made in, dtype given to Tensor or None)
         numpy_of = {}
         for ms_name, np_type in (("float32", np.float32), ("float16", np.float16), ("float64", np.float64),
@@ -54,7 +55,7 @@ class HostFactories(Technique):
                 numpy_of[dtype] = (np_type, None)
         if getattr(ms, "bfloat16", None) is not None:  # numpy has none: made in float32, converted on the host
             numpy_of[ms.bfloat16] = (np.float32, ms.bfloat16)
-        self.module, self.originals, self.numpy_of = mint, originals, numpy_of
+        self.modules, self.originals, self.numpy_of = modules, originals, numpy_of
         self.fills = {"ones": np.ones, "zeros": np.zeros, "empty": np.empty}
         self.tensor = ms.Tensor
         self.default_dtype = ms.float32  # mint's documented default when dtype is None; the probe checks it
@@ -76,8 +77,11 @@ class HostFactories(Technique):
             return None
         return tuple(size)
 
-    def _host(self, name, args, kwargs):
-        """The tensor `mint.<name>(*args, **kwargs)` gives, made from numpy; None: a form not handled."""
+    def _host(self, key, args, kwargs):
+        """The tensor `<module>.<name>(*args, **kwargs)` gives, made from numpy; None: a form not handled."""
+        module, name = key
+        if module == "ops" and len(args) == 2 and "dtype" not in kwargs:
+            args, kwargs["dtype"] = args[:1], args[1]
         dtype = kwargs.pop("dtype", None)
         if name == "empty" and kwargs.get("device", 0) is None:
             kwargs.pop("device")
@@ -95,40 +99,40 @@ class HostFactories(Technique):
         return self.tensor(array) if convert_to is None else self.tensor(array, dtype=convert_to)
 
     def install(self):
-        module = self.module
-        if any(getattr(module, name, None) is not original for name, original in self.originals.items()):
+        if any(getattr(self.modules[module], name, None) is not original
+               for (module, name), original in self.originals.items()):
             return False
         technique, serving = self, window.generation
         wrappers = {}
-        for name, original in self.originals.items():
-            def factory(*args, _name=name, _original=original, **kwargs):
+        for key, original in self.originals.items():
+            def factory(*args, _key=key, _original=original, **kwargs):
                 if window.builder == threading.get_ident() and window.generation == serving:
-                    made = technique._host(_name, args, dict(kwargs))
+                    made = technique._host(_key, args, dict(kwargs))
                     if made is not None:
                         return made
                 return _original(*args, **kwargs)
 
             factory.__wrapped__ = original
             factory.__doc__ = original.__doc__
-            factory.__name__ = factory.__qualname__ = name
-            wrappers[name] = factory
-        for name, wrapper in wrappers.items():
-            setattr(module, name, wrapper)
+            factory.__name__ = factory.__qualname__ = key[1]
+            wrappers[key] = factory
+        for (module, name), wrapper in wrappers.items():
+            setattr(self.modules[module], name, wrapper)
         self.wrappers = wrappers
         self.made_before = self.made
         return True
 
     def uninstall(self):
-        for name, wrapper in self.wrappers.items():
-            if getattr(self.module, name, None) is wrapper:
-                setattr(self.module, name, self.originals[name])
+        for (module, name), wrapper in self.wrappers.items():
+            if getattr(self.modules[module], name, None) is wrapper:
+                setattr(self.modules[module], name, self.originals[module, name])
         self.wrappers = {}
         if window.recording:
             window.notes[self.name] = {"tensors": self.made - self.made_before}
 
     def leftovers(self):
-        return [f"mindspore.mint.{name} is still the host-factories wrapper" for name, wrapper in self.wrappers.items()
-                if getattr(self.module, name, None) is wrapper]
+        return [f"mindspore.{module}.{name} is still the host-factories wrapper"
+                for (module, name), wrapper in self.wrappers.items() if getattr(self.modules[module], name, None) is wrapper]
 
     def probe_started(self):
         return self.made
@@ -142,7 +146,7 @@ class HostFactories(Technique):
     @staticmethod
     def probe_model():
         import mindspore as ms
-        from mindspore import Parameter, mint, nn
+        from mindspore import Parameter, mint, nn, ops
 
         class Norm(nn.Cell):
             def __init__(self):
@@ -154,6 +158,8 @@ class HostFactories(Technique):
                 self.spare = Parameter(mint.empty((3,), dtype=ms.float16))
                 self.register_buffer("mask", mint.zeros(5, dtype=ms.bool_))
                 self.step = mint.ones((), dtype=ms.int32)
+                self.scale = Parameter(ops.ones(3))
+                self.offset = Parameter(ops.zeros((2,), ms.float16))
 
             def construct(self, x):
                 return x * self.weight
