@@ -40,7 +40,7 @@ class LoadReport:
         self.fast_construction_from = None  # the cell where fast construction engaged (None: built plainly)
         self.cells_copied = 0  # cells sibling-clone copied from a recipe
         self.not_copied: dict[str, str] = {}  # class built more than once, never copied -> the first reason
-        self.host_tensors = 0  # mint.ones / zeros / empty results host-factories made from host memory
+        self.host_tensors = 0  # mint / ops factory results host-factories made from host memory
         self.gc_paused = False  # cyclic garbage collection paused for the whole load (gc-pause)
         self.total = 0.0
 

@@ -131,8 +131,8 @@ class HostFactories(Technique):
             window.notes[self.name] = {"tensors": self.made - self.made_before}
 
     def leftovers(self):
-        return [f"mindspore.{module}.{name} is still the host-factories wrapper"
-                for (module, name), wrapper in self.wrappers.items() if getattr(self.modules[module], name, None) is wrapper]
+        return [f"mindspore.{module}.{name} is not mindspore's" for (module, name), original in self.originals.items()
+                if getattr(self.modules[module], name, None) is not original]
 
     def probe_started(self):
         return self.made
