@@ -199,6 +199,27 @@ def test_host_factories_make_what_mindspore_makes():
     assert params[0].asnumpy().tolist() == [1.0, 1.0, 1.0] and params[1].shape == (2, 2)
 
 
+def test_host_factories_leave_to_mindspore_what_it_does_otherwise(monkeypatch):
+    """A function and dtype whose own call fails (mindspore 2.7's mint.empty
+    on the CPU wheel) or gives another tensor is not served: the user's call
+    gets mindspore's result or error."""
+    technique = _host_factories()
+    technique.prepare()
+    monkeypatch.setattr(technique, "checked", {})
+
+    def failing(*args, **kwargs):
+        raise RuntimeError("Create device context failed")
+
+    assert technique._host(("mint", "empty"), failing, (2, 3), {}) is None
+    assert technique._host(("ops", "ones"), lambda size, dtype=None: ms.mint.ones(size, dtype=ms.float16), (2,), {}) is None
+    assert technique.checked == {("mint", "empty", ms.float32): False, ("ops", "ones", ms.float32): False}
+    made = technique._host(("mint", "zeros"), ms.mint.zeros, (3,), {})
+    assert made.asnumpy().tolist() == [0.0, 0.0, 0.0] and technique.checked[("mint", "zeros", ms.float32)] is True
+    with CONSTRUCTION_LOCK, lazy_construction(fast=True):
+        with pytest.raises(TypeError):  # mindspore's own error for a form it rejects
+            ms.mint.zeros((2, True))
+
+
 def test_host_factories_serve_only_the_building_thread_and_window():
     import threading
 

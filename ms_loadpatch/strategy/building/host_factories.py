@@ -17,7 +17,10 @@ class HostFactories(Technique):
     tensor from a numpy array: same shape, dtype and values (`empty`'s are
     undefined either way). A form it does not know (a device, pinned memory,
     a dtype without a numpy counterpart, sizes that are not ints) takes
-    mindspore's own function."""
+    mindspore's own function. So does a function and dtype whose first use in
+    the process, checked against mindspore's own call, raised or differed
+    (mindspore 2.7's `mint.empty` needs a device on the CPU wheel: its error
+    stays the user's)."""
 
     name = "host-factories"
     description = ("mint.ones / zeros / empty and ops.ones / zeros while a model is built: made from host memory, "
@@ -33,6 +36,7 @@ class HostFactories(Technique):
         self.originals: dict = {}
         self.wrappers: dict = {}
         self.made = self.made_before = 0  # tensors made on the host: in all, before the last install
+        self.checked: dict = {}  # (module, name, dtype) -> whether mindspore's own call gave the same tensor
 
     def prepare(self):
         import numpy as np
@@ -77,7 +81,28 @@ class HostFactories(Technique):
             return None
         return tuple(size)
 
-    def _host(self, key, args, kwargs):
+    def _make(self, name, shape, dtype):
+        np_type, convert_to = self.numpy_of[dtype]
+        array = self.fills[name](shape, np_type)
+        return self.tensor(array) if convert_to is None else self.tensor(array, dtype=convert_to)
+
+    def _same_as_mindspore(self, key, original, dtype) -> bool:
+        """Once per process and (function, dtype): mindspore's own call and the
+        host one give the same type, shape, dtype, device and values."""
+        verdict = self.checked.get((*key, dtype))
+        if verdict is None:
+            try:
+                expected, made = original(2, dtype=dtype), self._make(key[1], (2,), dtype)
+                verdict = (type(made) is type(expected) and made.shape == expected.shape
+                           and made.dtype == expected.dtype
+                           and str(getattr(made, "device", None)) == str(getattr(expected, "device", None))
+                           and (key[1] == "empty" or made.asnumpy().tobytes() == expected.asnumpy().tobytes()))
+            except Exception:  # noqa: BLE001 - mindspore's own call fails here: the user's call gets its error
+                verdict = False
+            self.checked[(*key, dtype)] = verdict
+        return verdict
+
+    def _host(self, key, original, args, kwargs):
         """The tensor `<module>.<name>(*args, **kwargs)` gives, made from numpy; None: a form not handled."""
         module, name = key
         if module == "ops" and len(args) == 2 and "dtype" not in kwargs:
@@ -90,13 +115,12 @@ class HostFactories(Technique):
         shape = self._shape(args, varargs=name == "empty")
         if shape is None:
             return None
-        made_in = self.numpy_of.get(self.default_dtype if dtype is None else dtype)
-        if made_in is None:
+        if dtype is None:
+            dtype = self.default_dtype
+        if dtype not in self.numpy_of or not self._same_as_mindspore(key, original, dtype):
             return None
-        np_type, convert_to = made_in
-        array = self.fills[name](shape, np_type)
         self.made += 1
-        return self.tensor(array) if convert_to is None else self.tensor(array, dtype=convert_to)
+        return self._make(name, shape, dtype)
 
     def install(self):
         if any(getattr(self.modules[module], name, None) is not original
@@ -107,7 +131,7 @@ class HostFactories(Technique):
         for key, original in self.originals.items():
             def factory(*args, _key=key, _original=original, **kwargs):
                 if window.builder == threading.get_ident() and window.generation == serving:
-                    made = technique._host(_key, args, dict(kwargs))
+                    made = technique._host(_key, _original, args, dict(kwargs))
                     if made is not None:
                         return made
                 return _original(*args, **kwargs)
@@ -140,8 +164,9 @@ class HostFactories(Technique):
     def probe_finished(self, token):
         return None if self.made > token else "the probe model's factories were not served from host memory"
 
-    # The probe: a model of its own (the shared one has no mint factories), built plain and with this technique.
-    UNDEFINED_VALUES = ("slots", "spare")  # parameters made by `empty`: their values are compared by shape and dtype only
+    # The probe: a model of its own (the shared one has no factories), built plain and with this technique:
+    # the parameters, buffers and tensor attributes cells hold. Each function and dtype is also checked
+    # against mindspore's own call at its first use (`_same_as_mindspore`).
 
     @staticmethod
     def probe_model():
@@ -154,9 +179,7 @@ class HostFactories(Technique):
                 self.weight = Parameter(mint.ones(4))
                 self.bias = Parameter(mint.zeros((2, 3), dtype=ms.float16))
                 self.half = Parameter(mint.ones([3], dtype=ms.bfloat16))
-                self.slots = Parameter(mint.empty(2, 3))
-                self.spare = Parameter(mint.empty((3,), dtype=ms.float16))
-                self.register_buffer("mask", mint.zeros(5, dtype=ms.bool_))
+                self.register_buffer("positions", mint.zeros(5, dtype=ms.int64))
                 self.step = mint.ones((), dtype=ms.int32)
                 self.scale = Parameter(ops.ones(3))
                 self.offset = Parameter(ops.zeros((2,), ms.float16))
@@ -176,12 +199,10 @@ class HostFactories(Technique):
         return Model()
 
     def probe_values(self, model) -> list:
-        """What the state comparison leaves out: each parameter's values (but
-        `empty`'s), and where every parameter, buffer and tensor attribute lives."""
-        out = []
-        for name, param in model.parameters_and_names():
-            undefined = name.rsplit(".", 1)[-1] in self.UNDEFINED_VALUES
-            out.append((name, str(getattr(param, "device", None)), None if undefined else param.asnumpy().tobytes()))
+        """What the state comparison leaves out: each parameter's values, and
+        where every parameter, buffer and tensor attribute lives."""
+        out = [(name, str(getattr(param, "device", None)), param.asnumpy().tobytes())
+               for name, param in model.parameters_and_names()]
         for name, cell in model.cells_and_names():
             tensors = list(vars(cell).items()) + list(getattr(cell, "_buffers", {}).items())
             out += [(f"{name}.{key}", str(getattr(value, "device", None))) for key, value in tensors
