@@ -31,6 +31,9 @@ def _construction_rows() -> list[dict]:
 
     start = building.window.start_after_cells()
     when = f"construction from a build's cell {start}" if start else "construction"
+    early = building.window.EARLY_START_TENSORS
+    if building.window.start_after_cells(checkpoint_tensors=early) != start:
+        when += f" (its first for a checkpoint of {early}+ tensors)"
     return [{"name": row["name"], "libraries": list(versions.LIBRARIES),
              "description": f"{when}: {row['description']}", "state": row["state"], "reason": row["reason"]}
             for row in building.technique_status()]

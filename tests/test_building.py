@@ -456,6 +456,67 @@ def test_techniques_engage_mid_build_same_model(python_proc, checkpoints):
     assert out["report_from"] == 40 and "fast construction from cell 40" in out["summary"]
 
 
+def test_start_from_the_checkpoint_size(monkeypatch):
+    """Unset, a build for a checkpoint of EARLY_START_TENSORS or more
+    tensors engages at its first cell (its model passes DEFAULT_START
+    cells); a smaller or unknown one at DEFAULT_START; a value set wins."""
+    monkeypatch.delenv(window.START_ENV_VAR, raising=False)
+    early = window.EARLY_START_TENSORS
+    assert window.start_after_cells() == window.DEFAULT_START
+    assert window.start_after_cells(checkpoint_tensors=early - 1) == window.DEFAULT_START
+    assert window.start_after_cells(checkpoint_tensors=early) == 0
+    monkeypatch.setenv(window.START_ENV_VAR, "40")
+    assert window.start_after_cells(checkpoint_tensors=10 * early) == 40
+
+
+_LARGE_CHILD = r"""
+import json, sys
+import mindone.transformers as mt
+import ms_loadpatch
+from ms_loadpatch.strategy import building
+from ms_loadpatch.testing import assert_same_model, cpu_kernel_fallbacks, load_both
+
+with cpu_kernel_fallbacks():
+    reference, accelerated = load_both(lambda: mt.MixtralForCausalLM.from_pretrained(sys.argv[1]))
+    assert_same_model(reference, accelerated)
+report = ms_loadpatch.last_report()
+print("RESULT " + json.dumps({"report_from": report.fast_construction_from, "cells_copied": report.cells_copied,
+                              "tensors": report.tensors_read, "leftovers": building.leftovers()}))
+"""
+
+
+@pytest.fixture(scope="module")
+def large_checkpoints(tmp_path_factory):
+    """A Mixtral of more than EARLY_START_TENSORS tensors (2 layers x 100
+    experts), as one file and sharded (an index listing them)."""
+    root = tmp_path_factory.mktemp("large")
+    config = hf.MixtralConfig(vocab_size=64, hidden_size=16, num_hidden_layers=2, num_attention_heads=2,
+                              num_key_value_heads=1, intermediate_size=8, num_local_experts=100,
+                              num_experts_per_tok=2)
+    with ms_loadpatch.disabled(), cpu_kernel_fallbacks():
+        ms.set_seed(0)
+        model = mt.MixtralForCausalLM(config)
+        model.save_pretrained(str(root / "single"))
+        model.save_pretrained(str(root / "sharded"), max_shard_size="200KB")
+    return {"single": str(root / "single"), "sharded": str(root / "sharded")}
+
+
+@pytest.mark.parametrize("layout", ["single", "sharded"])
+def test_large_checkpoint_engages_from_the_first_cell(python_proc, large_checkpoints, layout):
+    """With the start unset, loading a checkpoint of more than
+    EARLY_START_TENSORS tensors (counted from the single file mindone reads
+    before building, or from the index) takes the fast paths from the
+    build's first cell, and the model equals an unpatched load."""
+    path = large_checkpoints[layout]
+    assert (layout == "sharded") == os.path.exists(os.path.join(path, "model.safetensors.index.json"))
+    proc = python_proc(["-c", _LARGE_CHILD, path], env_drop=(window.START_ENV_VAR,))
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    assert proc.returncode == 0 and lines, proc.stderr[-4000:]
+    out = json.loads(lines[-1][len("RESULT "):])
+    assert out["tensors"] >= window.EARLY_START_TENSORS
+    assert out["report_from"] == 0 and out["cells_copied"] > 0 and out["leftovers"] == []
+
+
 def test_bad_start_value_is_ignored(monkeypatch, caplog):
     from ms_loadpatch import activation
 

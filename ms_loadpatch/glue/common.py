@@ -70,7 +70,8 @@ def accelerated_load(wrapped, args, kwargs, report, dtype, checkpoint_files, fin
 
 def checkpoint_files(args, kwargs, add_variant, lookup) -> list[str]:
     """The safetensors files from_pretrained(*args, **kwargs) will read from a
-    local directory (prefetch.local_checkpoint_files), [] for anything else.
+    local directory (prefetch.local_checkpoint_files, with the count its index
+    lists), [] for anything else.
     `lookup(root, subfolder, named)` gives the paths mindone looks for, in its
     order; `named(file)` is the file name with mindone's `add_variant`."""
     path = args[0] if args else kwargs.get("pretrained_model_name_or_path")

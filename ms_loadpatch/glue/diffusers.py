@@ -299,7 +299,7 @@ def _locked(manager):
 @contextlib.contextmanager
 def _timed_construction(ctx):
     try:
-        with ctx.report.phase("construct"), lazy_construction():
+        with ctx.report.phase("construct"), lazy_construction(checkpoint_tensors=ctx.checkpoint_tensors()):
             yield
     finally:
         ctx.report.note_construction()

@@ -152,7 +152,7 @@ def model_init(wrapped, instance, args, kwargs):
     if ctx is not None and ctx.construction_root is None:
         ctx.construction_root = instance
         ctx.exit_stack.enter_context(ctx.report.phase("construct"))
-        ctx.exit_stack.enter_context(lazy_construction())
+        ctx.exit_stack.enter_context(lazy_construction(checkpoint_tensors=ctx.checkpoint_tensors()))
         ctx.constructing = True
     return wrapped(*args, **kwargs)
 

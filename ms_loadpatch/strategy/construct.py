@@ -15,11 +15,13 @@ __all__ = ["CONSTRUCTION_LOCK", "lazy_construction", "refresh_parameter_names", 
 
 
 @contextlib.contextmanager
-def lazy_construction(fast: bool = True):
+def lazy_construction(fast: bool = True, checkpoint_tensors: int | None = None):
     """Parameters built from initializers in this thread stay lazy (no memory,
     no random fill); with `fast`, cells are built through the probed
-    construction techniques too (strategy/building: same objects, less Python work)."""
-    with lazy_parameters(), (fast_construction() if fast else contextlib.nullcontext()):
+    construction techniques too (strategy/building: same objects, less Python
+    work), from the first cell when `checkpoint_tensors` says the model is large."""
+    with lazy_parameters(), \
+            (fast_construction(checkpoint_tensors=checkpoint_tensors) if fast else contextlib.nullcontext()):
         yield
 
 

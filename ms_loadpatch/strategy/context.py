@@ -166,6 +166,7 @@ class LoadState:
     cast_at_read: CastRegistry | None = None  # the tensors cast while reading and not yet assigned
     cast_plan: CastPlan | None = None  # what a read of this load casts (None: nothing)
     prefetcher: Prefetcher | None = None  # the files read ahead (None: each file read when asked)
+    listed_tensors: int | None = None  # tensors the checkpoint's index lists (None: no index seen)
     keys_read: set[str] = dataclasses.field(default_factory=set)  # every key read, checked against the index
     last_file: str | None = None  # the file read last, named in errors about its tensors
     load_done: bool = False  # mindone's loading path ran to its end
@@ -190,6 +191,12 @@ class LoadContext:
         self.constructing = False
         self.loaded: dict[int, object] = {}  # id(param) -> tensor assigned
         self.state = LoadState()
+
+    def checkpoint_tensors(self) -> int | None:
+        """The tensors of the checkpoint being loaded, as far as known before
+        the build: its index's count, else those read already (mindone reads a
+        single file before it builds the model); None when neither is known."""
+        return self.state.listed_tensors or self.report.tensors_read or None
 
     def close_construction(self) -> None:
         if self.constructing:

@@ -145,24 +145,35 @@ class Prefetcher:
                       (" ..." if len(self._paths) > 3 else ""))
 
 
-def local_checkpoint_files(candidates) -> list[str]:
+class CheckpointFiles(list):
+    """The paths of a checkpoint's files, and how many tensors its index
+    lists (`listed_tensors`; None without an index)."""
+
+    def __init__(self, paths=(), listed_tensors: int | None = None):
+        super().__init__(paths)
+        self.listed_tensors = listed_tensors
+
+
+def local_checkpoint_files(candidates) -> CheckpointFiles:
     """The files a loader will read, given the paths it looks for in its own
     order: the first that exists wins; an index (`*.index*.json`) stands for
-    the shards its weight_map names. [] when that is not plain to see: the
+    the shards its weight_map names. Empty when that is not plain to see: the
     loader then reads (and reports on) the files itself. A wrong guess costs
     a wasted read, never a wrong model: files are taken by path."""
     for path in candidates:
         if not path or not os.path.isfile(path):
             continue
         if not path.endswith(".json"):
-            return [os.path.normpath(path)]
+            return CheckpointFiles([os.path.normpath(path)])
         try:
             with open(path) as f:
-                shards = set(json.load(f)["weight_map"].values())
-            return [os.path.normpath(os.path.join(os.path.dirname(path), name)) for name in sorted(shards)]
+                weight_map = json.load(f)["weight_map"]
+            shards = set(weight_map.values())
+            return CheckpointFiles([os.path.normpath(os.path.join(os.path.dirname(path), name))
+                                    for name in sorted(shards)], len(weight_map))
         except (OSError, ValueError, KeyError, TypeError, AttributeError):
-            return []
-    return []
+            return CheckpointFiles()
+    return CheckpointFiles()
 
 
 def read_file(path, cast_plan=None, threads=None, stop=None, staging=None):
@@ -183,6 +194,7 @@ def start_prefetch(ctx, files, cast_plan=None) -> Prefetcher | None:
     ctx.report.read_threads = read_threads(share)
     ctx.report.local_ranks, ctx.report.rank = share.local_ranks, share.rank
     ctx.state.cast_plan = cast_plan
+    ctx.state.listed_tensors = getattr(files, "listed_tensors", None)
     if not files:
         return None
     prefetcher = Prefetcher(files, workers=workers, cast_plan=cast_plan)

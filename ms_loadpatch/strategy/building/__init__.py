@@ -99,10 +99,11 @@ def leftovers() -> list[str]:
 
 
 @contextlib.contextmanager
-def fast_construction(lazy_parameters: bool = True):
+def fast_construction(lazy_parameters: bool = True, checkpoint_tensors: int | None = None):
     """Construction in this thread takes every active technique's fast path
-    once it has made window.start_after_cells() cells. Call with
-    CONSTRUCTION_LOCK held. Without `lazy_parameters` (from_config:
+    once it has made window.start_after_cells(checkpoint_tensors) cells
+    (`checkpoint_tensors`: what the checkpoint being loaded holds, if known).
+    Call with CONSTRUCTION_LOCK held. Without `lazy_parameters` (from_config:
     parameters get their random values while the model is built) cells are
     never copied: a copy would skip its draws from the random generator."""
     if window.depth and window.in_builder():
@@ -114,5 +115,6 @@ def fast_construction(lazy_parameters: bool = True):
         techniques = active_techniques()
         return techniques if lazy_parameters else [t for t in techniques if not isinstance(t, SiblingClone)]
 
-    with window.open_window(choose, window.start_after_cells(), early=lambda: active_techniques(early=True)):
+    with window.open_window(choose, window.start_after_cells(checkpoint_tensors),
+                            early=lambda: active_techniques(early=True)):
         yield

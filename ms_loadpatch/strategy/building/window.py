@@ -18,6 +18,12 @@ from ...activation import env_int
 # the techniques save (~0.15 ms a cell): a dense model of a few hundred cells.
 START_ENV_VAR = "MS_LOADPATCH_FAST_CONSTRUCTION_FROM"
 DEFAULT_START = 1000
+# A load whose checkpoint holds at least this many tensors engages at once: it
+# pays the probes anyway, as its model passes DEFAULT_START cells (mindone's
+# transformers build 1.2-1.75 cells a tensor: 1.18 Qwen2, 1.56-1.75 the fused
+# MoE families at 643-883 tensors, 1.67 the cell-expert ones); from the first
+# cell it saves ~0.1 ms on each of those first cells.
+EARLY_START_TENSORS = 600
 
 # The thread whose construction takes the fast paths (None: no window open).
 builder: int | None = None
@@ -55,10 +61,15 @@ def in_builder() -> bool:
     return builder == threading.get_ident()
 
 
-def start_after_cells() -> int:
-    """The cell of a build at which the techniques engage: START_ENV_VAR, else DEFAULT_START."""
+def start_after_cells(checkpoint_tensors: int | None = None) -> int:
+    """The cell of a build at which the techniques engage: START_ENV_VAR;
+    else the first cell when the build is for a checkpoint of at least
+    EARLY_START_TENSORS tensors (`checkpoint_tensors`: None when not known
+    before the build); else DEFAULT_START."""
     value = env_int(START_ENV_VAR, minimum=0)
-    return DEFAULT_START if value is None else value
+    if value is not None:
+        return value
+    return 0 if checkpoint_tensors is not None and checkpoint_tensors >= EARLY_START_TENSORS else DEFAULT_START
 
 
 class DeferredInstanceCount:
