@@ -10,8 +10,9 @@ from .technique import ProbeFailed, Technique
 
 class HostFactories(Technique):
     """`Parameter(mint.ones(n))`, the weight of an RMSNorm in most of
-    mindone's models (`ops.ones` in some, Qwen2 among them), runs an op through mindspore's asynchronous pipeline
-    and the Parameter then waits for it (`param_info` -> `wait_pipeline`):
+    mindone's models (`ops.ones` in some, Qwen2 among them), runs an op
+    through mindspore's asynchronous pipeline and the Parameter then waits
+    for it (`param_info` -> `wait_pipeline`):
     a hand-off between threads of 0.7-4 ms per tensor on a busy host,
     whatever its size. In the building thread the fast path makes the same
     tensor from a numpy array: same shape, dtype and values (`empty`'s are

@@ -251,7 +251,7 @@ def _compare_own(technique) -> str | None:
 
 def run_probe(technique) -> str | None:
     """None when the probe model built with `technique` alone equals the plain one."""
-    if getattr(technique, "probe_model", None) is not None:
+    if technique.probe_model is not None:
         return _prepare(technique) or _compare_own(technique)
     return _prepare(technique) or _compare([technique])
 
@@ -263,7 +263,7 @@ def run_probes(techniques) -> dict[str, str | None]:
     results, ready = {}, []
     for technique in techniques:
         reason = _prepare(technique)
-        if reason is None and getattr(technique, "probe_model", None) is not None:
+        if reason is None and technique.probe_model is not None:
             reason = _compare_own(technique)
         elif reason is None:
             ready.append(technique)
