@@ -250,8 +250,8 @@ def test_lazy_window_stays_in_its_thread(models, monkeypatch):
     real = glue_tf.lazy_construction
 
     @contextlib.contextmanager
-    def pausing():
-        with real():
+    def pausing(**kwargs):
+        with real(**kwargs):
             inside.set()
             go_on.wait(30)
             yield
