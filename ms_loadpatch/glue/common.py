@@ -16,7 +16,7 @@ from ..strategy.building import fast_construction
 from ..strategy.castread import CastPlan, CastRegistry
 from ..strategy.construct import CONSTRUCTION_LOCK
 from ..strategy.gcpause import collection_paused_for_load
-from ..strategy.prefetch import local_checkpoint_files, read_file, start_prefetch, take_or_read
+from ..strategy.prefetch import CheckpointFiles, local_checkpoint_files, read_file, start_prefetch, take_or_read
 from ..strategy.reader import CheckpointError
 from ..strategy.tensors import to_tensor
 
@@ -68,15 +68,15 @@ def accelerated_load(wrapped, args, kwargs, report, dtype, checkpoint_files, fin
     return result
 
 
-def checkpoint_files(args, kwargs, add_variant, lookup) -> list[str]:
+def checkpoint_files(args, kwargs, add_variant, lookup) -> CheckpointFiles:
     """The safetensors files from_pretrained(*args, **kwargs) will read from a
     local directory (prefetch.local_checkpoint_files, with the count its index
-    lists), [] for anything else.
+    lists), none for anything else.
     `lookup(root, subfolder, named)` gives the paths mindone looks for, in its
     order; `named(file)` is the file name with mindone's `add_variant`."""
     path = args[0] if args else kwargs.get("pretrained_model_name_or_path")
     if not isinstance(path, (str, os.PathLike)) or kwargs.get("use_safetensors") is False:
-        return []
+        return CheckpointFiles()
     variant = kwargs.get("variant")
     return local_checkpoint_files(
         lookup(os.fspath(path), kwargs.get("subfolder") or "", lambda name: add_variant(name, variant))

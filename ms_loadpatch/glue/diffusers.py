@@ -305,7 +305,7 @@ def _timed_construction(ctx):
         ctx.report.note_construction()
 
 
-def _local_checkpoint_files(args, kwargs) -> list[str]:
+def _local_checkpoint_files(args, kwargs) -> common.CheckpointFiles:
     """The safetensors files mindone will resolve for a local directory, in its
     lookup order: the index in the subfolder, then a single file at the root,
     then in the subfolder."""

@@ -79,7 +79,7 @@ def _refuse_if_not_loaded(ctx, result) -> None:
         )
 
 
-def _local_checkpoint_files(args, kwargs) -> list[str]:
+def _local_checkpoint_files(args, kwargs) -> common.CheckpointFiles:
     """The safetensors files mindone will read for a local directory: the
     single file first, then the index, as its _get_resolved_checkpoint_files."""
     return common.checkpoint_files(args, kwargs, _modeling_utils()._add_variant, lambda root, subfolder, named: [

@@ -184,7 +184,7 @@ def read_file(path, cast_plan=None, threads=None, stop=None, staging=None):
     return read_cast(path, cast_plan, threads, stop, staging)
 
 
-def start_prefetch(ctx, files, cast_plan=None) -> Prefetcher | None:
+def start_prefetch(ctx, files: CheckpointFiles, cast_plan=None) -> Prefetcher | None:
     """Read `files` in background threads for the load `ctx` (closed with it),
     casting what `cast_plan` casts; HF_ENABLE_PARALLEL_LOADING, read now,
     sets the thread count."""
@@ -194,7 +194,7 @@ def start_prefetch(ctx, files, cast_plan=None) -> Prefetcher | None:
     ctx.report.read_threads = read_threads(share)
     ctx.report.local_ranks, ctx.report.rank = share.local_ranks, share.rank
     ctx.state.cast_plan = cast_plan
-    ctx.state.listed_tensors = getattr(files, "listed_tensors", None)
+    ctx.state.listed_tensors = files.listed_tensors
     if not files:
         return None
     prefetcher = Prefetcher(files, workers=workers, cast_plan=cast_plan)
