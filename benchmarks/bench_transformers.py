@@ -9,6 +9,7 @@ where the dtype changes). Every weight is touched before the clock stops.
     python benchmarks/bench_transformers.py --size small --repeats 1   # a quick check
     python benchmarks/bench_transformers.py                            # the real one (~3 GB of files)
     python benchmarks/bench_transformers.py --cases qwen3_moe-fp32-as-fp32,olmoe-fp32-as-fp32  # MoE families
+    python benchmarks/bench_transformers.py --cases glm4_moe-wide-fp32-as-fp32  # 8x wider, ~1.2 GB
 """
 
 from __future__ import annotations
@@ -51,9 +52,12 @@ CASES = {
     "moe-fp32-as-fp32": ("moe-fp32", "float32"),
     "moe-fp32-as-bf16": ("moe-fp32", "bfloat16"),
 }
-# every MoE family mindone ships, at 24 layers x 128 experts (moe_families.py): not in the default run
+# every MoE family mindone ships, at 24 layers x 128 experts (moe_families.py): not in the default run;
+# "-wide" cases: the same layers and experts with 8x the hidden and intermediate sizes (~1.2 GB in fp32)
 FAMILY_SIZES = {"full": (24, 128), "small": (2, 16)}
+WIDE = 8
 FAMILY_CASES = {f"{family}-fp32-as-fp32": (family, "float32") for family in families()}
+FAMILY_CASES.update({f"{family}-wide-fp32-as-fp32": (f"{family}-wide", "float32") for family in families()})
 DEFAULT_CASES = list(CASES)
 CASES.update(FAMILY_CASES)
 TARGETS = ("Qwen2-0.5B fp32 >= 20x faster; never slower; within 1.5x of (construct + read + one cast pass); "
@@ -77,8 +81,9 @@ class _Checkpoints(dict):
         elif name == "moe-fp32":
             path = bench.cached_checkpoint(f"tf-{size}-moe", "MixtralForCausalLM", config["moe"], config["moe_shard"],
                                            progress=self.progress)
-        else:  # an MoE family
-            class_name, family_config = families(*FAMILY_SIZES[size])[name]
+        else:  # an MoE family, or its wide variant
+            family, _, wide = name.partition("-")
+            class_name, family_config = families(*FAMILY_SIZES[size], width=WIDE if wide else 1)[family]
             path = bench.cached_checkpoint(f"tf-{size}-{name}", class_name, family_config, config["moe_shard"],
                                            progress=self.progress)
         self[name] = path

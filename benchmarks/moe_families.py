@@ -10,37 +10,37 @@ from __future__ import annotations
 COMMON = dict(vocab_size=128, hidden_size=32, num_attention_heads=4, num_key_value_heads=2)
 
 
-def families(layers=24, experts=128) -> dict:
+def families(layers=24, experts=128, width=1) -> dict:
     """family -> (mindone class name, its config class's keyword arguments)"""
-    E = experts
+    E, W = experts, width
     F = max(layers, 80)  # experts fused into one parameter: 14-18 cells a layer, more layers to pass 1000 cells
-    base = dict(**COMMON, num_hidden_layers=layers)
-    fused = dict(**COMMON, num_hidden_layers=F, intermediate_size=16, num_local_experts=E, num_experts_per_tok=2)
+    base = dict(COMMON, hidden_size=32 * W, num_hidden_layers=layers)
+    fused = dict(COMMON, hidden_size=32 * W, num_hidden_layers=F, intermediate_size=16 * W, num_local_experts=E, num_experts_per_tok=2)
     # a dense MLP size beside the experts' own (families with shared experts or dense layers)
-    sized = dict(base, intermediate_size=64, moe_intermediate_size=16)
+    sized = dict(base, intermediate_size=64 * W, moe_intermediate_size=16 * W)
     top2 = dict(num_experts_per_tok=2)
     return {
-        "mixtral": ("MixtralForCausalLM", dict(base, intermediate_size=16, num_local_experts=E)),
+        "mixtral": ("MixtralForCausalLM", dict(base, intermediate_size=16 * W, num_local_experts=E)),
         "qwen3_moe": ("Qwen3MoeForCausalLM", dict(sized, num_experts=E, head_dim=8, **top2)),
-        "qwen2_moe": ("Qwen2MoeForCausalLM", dict(sized, num_experts=E, shared_expert_intermediate_size=32, **top2)),
-        "olmoe": ("OlmoeForCausalLM", dict(base, intermediate_size=16, num_experts=E, **top2)),
-        "phimoe": ("PhimoeForCausalLM", dict(base, intermediate_size=16, num_local_experts=E)),
+        "qwen2_moe": ("Qwen2MoeForCausalLM", dict(sized, num_experts=E, shared_expert_intermediate_size=32 * W, **top2)),
+        "olmoe": ("OlmoeForCausalLM", dict(base, intermediate_size=16 * W, num_experts=E, **top2)),
+        "phimoe": ("PhimoeForCausalLM", dict(base, intermediate_size=16 * W, num_local_experts=E)),
         "deepseek_v2": ("DeepseekV2ForCausalLM", dict(
             sized, n_routed_experts=E, n_shared_experts=1, first_k_dense_replace=0, kv_lora_rank=16,
             q_lora_rank=None, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8, n_group=1, topk_group=1, **top2)),
         "granitemoe": ("GraniteMoeForCausalLM", fused),
-        "granitemoeshared": ("GraniteMoeSharedForCausalLM", dict(fused, shared_intermediate_size=32)),
+        "granitemoeshared": ("GraniteMoeSharedForCausalLM", dict(fused, shared_intermediate_size=32 * W)),
         "jetmoe": ("JetMoeForCausalLM", dict(
-            vocab_size=128, hidden_size=32, num_key_value_heads=2, kv_channels=8, num_hidden_layers=F,
-            intermediate_size=16, num_local_experts=E, **top2)),
+            vocab_size=128, hidden_size=32 * W, num_key_value_heads=2, kv_channels=8, num_hidden_layers=F,
+            intermediate_size=16 * W, num_local_experts=E, **top2)),
         "dbrx": ("DbrxForCausalLM", dict(
-            vocab_size=128, d_model=32, n_heads=4, n_layers=F, attn_config={"kv_n_heads": 2},
-            ffn_config={"ffn_hidden_size": 16, "moe_num_experts": E, "moe_top_k": 2})),
+            vocab_size=128, d_model=32 * W, n_heads=4, n_layers=F, attn_config={"kv_n_heads": 2},
+            ffn_config={"ffn_hidden_size": 16 * W, "moe_num_experts": E, "moe_top_k": 2})),
         "ernie4_5_moe": ("Ernie4_5_MoeForCausalLM", dict(
             sized, moe_num_experts=E, moe_k=2, moe_layer_start_index=0, moe_num_shared_experts=1)),
         "glm4_moe": ("Glm4MoeForCausalLM", dict(
             sized, n_routed_experts=E, n_shared_experts=1, first_k_dense_replace=0, n_group=1, topk_group=1,
             head_dim=8, **top2)),
-        "hunyuan_v1_moe": ("HunYuanMoEV1ForCausalLM", dict(base, intermediate_size=16, num_experts=E, moe_topk=2,
+        "hunyuan_v1_moe": ("HunYuanMoEV1ForCausalLM", dict(base, intermediate_size=16 * W, num_experts=E, moe_topk=2,
                                                            head_dim=8)),
     }

@@ -331,8 +331,41 @@ def _probe_cell_to(ms) -> str | None:
                 want, got = want[1:], got[1:]
             if want != got:
                 return f"{key}: nn.Cell.to gives {want}, the fast path {got}"
+        return _probe_cell_to_skip(ms, cell_to_keeping_lazy)
     except Exception as exc:  # an internal the wrapper uses changed
         return f"{type(exc).__name__}: {exc}"
+    return None
+
+
+def _probe_cell_to_skip(ms, cell_to_keeping_lazy) -> str | None:
+    """None when cell_to_keeping_lazy, skipping the cells its pass leaves
+    untouched (lazy parameters already in the dtype, or not floating, and no
+    buffers), leaves a lazily built tree as the full `_apply` walk does:
+    every cell's and parameter's whole state (building.state.model_state)."""
+    import numpy as np
+    from mindspore.common.initializer import initializer
+    from mindspore.nn.utils import no_init_parameters
+
+    from .strategy.building.state import model_state
+
+    def build():
+        with no_init_parameters():
+            done = ms.nn.Cell()
+            done.weight = ms.Parameter(initializer("normal", (3, 2), ms.bfloat16), name="weight")
+            done.index = ms.Parameter(initializer("zeros", (2,), ms.int32), name="index", requires_grad=False)
+            wide = ms.nn.Cell()
+            wide.weight = ms.Parameter(initializer("normal", (2, 2), ms.float32), name="weight")
+            buffered = ms.nn.Cell()
+            buffered.bias = ms.Parameter(initializer("zeros", (2,), ms.bfloat16), name="bias")
+            buffered.register_buffer("scale", ms.Tensor(np.full(2, 1 / 3, dtype=np.float32)))
+            root = ms.nn.SequentialCell([done, wide, buffered, ms.nn.SequentialCell([done])])
+        return root
+
+    full, skipping = build(), build()
+    cell_to_keeping_lazy(full, ms.bfloat16, skip_untouched=False)
+    cell_to_keeping_lazy(skipping, ms.bfloat16)
+    if model_state(full) != model_state(skipping):
+        return "skipping untouched cells leaves a lazily built tree unlike the full walk"
     return None
 
 

@@ -273,6 +273,24 @@ def test_cell_to_target_matches_the_installed_mindspore(fresh_techniques):
         patcher.disable()
 
 
+def test_cell_to_skip_probe_tells_a_skip_that_changes_the_tree():
+    """cell_to_keeping_lazy skips the cells its pass would leave untouched; the
+    probe compares that with the full walk, and a skip that drops a needed
+    cast or buffer replacement fails it."""
+    import mindspore as ms
+
+    if "to" not in vars(ms.nn.Cell):
+        pytest.skip("this mindspore's nn.Cell has no `to`: cell_to_keeping_lazy is not used")
+    from ms_loadpatch.strategy.assign import cell_to_keeping_lazy
+
+    assert versions._probe_cell_to_skip(ms, cell_to_keeping_lazy) is None
+
+    def skips_every_cell(cell, dtype, skip_untouched=True):
+        return cell if skip_untouched else cell_to_keeping_lazy(cell, dtype, skip_untouched=False)
+
+    assert "unlike the full walk" in versions._probe_cell_to_skip(ms, skips_every_cell)
+
+
 def test_unusable_mindspore_skips_every_target(monkeypatch, fresh_techniques, caplog):
     import mindone.transformers.modeling_utils as mu
 

@@ -98,21 +98,50 @@ def cast_parameters(cell, dtype) -> int:
     return count
 
 
-def cell_to_keeping_lazy(cell, dtype):
+def cell_to_keeping_lazy(cell, dtype, skip_untouched: bool = True):
     """`cell.to(dtype)` as mindspore's nn.Cell.to does it (its own
     `_apply` walk: floating parameters and buffers cast, `param.data = ...`,
     buffers replaced), except that a lazily built parameter is not read
     (Tensor.to segfaults on one): it only gets the dtype, metadata only, and
-    stays lazy; `param.data = param` leaves it as it is. Checked against
-    nn.Cell.to by versions._probe_cell_to."""
+    stays lazy; `param.data = param` leaves it as it is. With
+    `skip_untouched`, a cell whose pass changes nothing (no buffers, only lazy
+    parameters already in `dtype` or not floating: the usual state right after
+    a lazy build) is not passed over; the others get `_apply` in its own order.
+    Checked against nn.Cell.to, and the skip against the full walk, by
+    versions._probe_cell_to."""
     from mindspore.common import dtype as mstype
 
+    floating = tuple(mstype.float_type) + tuple(mstype.complex_type)
+
     def convert(tensor):
-        target = dtype if tensor.dtype in mstype.float_type or tensor.dtype in mstype.complex_type else None
+        target = dtype if tensor.dtype in floating else None
         if isinstance(tensor, ms.Parameter) and tensor.has_init:
             if target is not None and tensor.dtype != target:
                 tensor.set_dtype(target)
             return tensor
         return tensor.to(device=None, dtype=target, non_blocking=False)
 
-    return cell._apply(convert)
+    if not skip_untouched:
+        return cell._apply(convert)
+    plain_apply = ms.nn.Cell._apply
+
+    def untouched(one):
+        if one._buffers:
+            return False
+        for param in one._params.values():
+            if param is not None and not (param.has_init and (param.dtype == dtype or param.dtype not in floating)):
+                return False
+        return True
+
+    def apply(one):
+        if getattr(type(one), "_apply", None) is not plain_apply:
+            one._apply(convert)  # a class with its own walk keeps it
+            return
+        for child in one.cells():  # Cell._apply's order: the children, then the cell's own
+            if child is not None and child is not one:
+                apply(child)
+        if not untouched(one):
+            one._apply(convert, recurse=False)
+
+    apply(cell)
+    return cell
