@@ -165,7 +165,7 @@ HOST_FORMS = [
     ("mint.ones", ((),), {"dtype": ms.int32}), ("mint.zeros", (5,), {"dtype": ms.bool_}),
     ("mint.zeros", ((2, 2),), {"dtype": ms.float16}), ("mint.zeros", (2,), {"dtype": ms.int64}), ("mint.zeros", (0,), {}),
     ("mint.empty", (2, 3), {}), ("mint.empty", ((3,),), {"dtype": ms.float16}),
-    ("mint.empty", (4,), {"dtype": None, "device": None}),
+    ("mint.empty", (4,), {"dtype": None, "device": None}), ("mint.empty", (64, 64, 64), {}),
     ("ops.ones", (4,), {}), ("ops.ones", ((2, 3), ms.float16), {}), ("ops.zeros", ([2],), {"dtype": ms.int32}),
 ]
 # forms left to mindspore: not an int size, a device, a dtype without a numpy counterpart
@@ -174,6 +174,8 @@ MINDSPORE_FORMS = [
     ("mint.empty", (2,), {"device": "CPU"}), ("mint.empty", (2,), {"pin_memory": False}),
     ("mint.ones", (2,), {"dtype": ms.complex64}), ("mint.ones", (2,), {"dtype": ms.uint16}),
     ("ops.ones", (ms.Tensor([2, 3]),), {}),
+    # above HostFactories.MAX_ELEMENTS (a fused expert weight): mindspore's empty does not touch its memory
+    ("mint.empty", (64, 64, 65), {}), ("mint.ones", ((513, 512),), {}), ("ops.zeros", ((1 << 18) + 1,), {}),
 ]
 
 

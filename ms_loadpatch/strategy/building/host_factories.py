@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import threading
 
 from . import window
@@ -21,7 +22,7 @@ class HostFactories(Technique):
     mindspore's own function. So does a function and dtype whose first use in
     the process, checked against mindspore's own call, raised or differed
     (mindspore 2.7's `mint.empty` needs a device on the CPU wheel: its error
-    stays the user's)."""
+    stays the user's). Tensors above MAX_ELEMENTS take mindspore's function."""
 
     name = "host-factories"
     description = ("mint.ones / zeros / empty and ops.ones / zeros while a model is built: made from host memory, "
@@ -29,6 +30,12 @@ class HostFactories(Technique):
     # Installed from a build's first cell (not after window.DEFAULT_START
     # cells): it saves milliseconds per tensor and its own probe model is tiny.
     engages_early = True
+    # Larger tensors take mindspore's own op: its `empty` allocates without
+    # touching the memory (~0.7 ms at any size) and its fill costs about what
+    # numpy's does, while a host tensor is copied into mindspore's storage
+    # (16M floats: 37-47 ms and 64 MB of RSS against 0.7 / 26 ms). A model's
+    # norms and biases are far below this; fused expert weights can be above.
+    MAX_ELEMENTS = 1 << 18
     # (module, function): ops' take the dtype as a second positional argument too
     FUNCTIONS = (("mint", "ones"), ("mint", "zeros"), ("mint", "empty"), ("ops", "ones"), ("ops", "zeros"))
 
@@ -114,7 +121,7 @@ class HostFactories(Technique):
         if kwargs or not args:
             return None
         shape = self._shape(args, varargs=name == "empty")
-        if shape is None:
+        if shape is None or math.prod(shape) > self.MAX_ELEMENTS:
             return None
         if dtype is None:
             dtype = self.default_dtype
