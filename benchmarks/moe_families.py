@@ -7,22 +7,24 @@ granitemoeshared, jetmoe, dbrx) get at least 80 layers, to pass 1000 cells."""
 
 from __future__ import annotations
 
-COMMON = dict(vocab_size=128, hidden_size=32, num_attention_heads=4, num_key_value_heads=2)
+COMMON = dict(vocab_size=128, num_attention_heads=4, num_key_value_heads=2)  # hidden_size: 32 x width
 
 
 def families(layers=24, experts=128, width=1) -> dict:
     """family -> (mindone class name, its config class's keyword arguments)"""
     E, W = experts, width
     F = max(layers, 80)  # experts fused into one parameter: 14-18 cells a layer, more layers to pass 1000 cells
-    base = dict(COMMON, hidden_size=32 * W, num_hidden_layers=layers)
-    fused = dict(COMMON, hidden_size=32 * W, num_hidden_layers=F, intermediate_size=16 * W, num_local_experts=E, num_experts_per_tok=2)
+    common = dict(COMMON, hidden_size=32 * W)
+    base = dict(common, num_hidden_layers=layers)
+    fused = dict(common, num_hidden_layers=F, intermediate_size=16 * W, num_local_experts=E, num_experts_per_tok=2)
     # a dense MLP size beside the experts' own (families with shared experts or dense layers)
     sized = dict(base, intermediate_size=64 * W, moe_intermediate_size=16 * W)
     top2 = dict(num_experts_per_tok=2)
     return {
         "mixtral": ("MixtralForCausalLM", dict(base, intermediate_size=16 * W, num_local_experts=E)),
         "qwen3_moe": ("Qwen3MoeForCausalLM", dict(sized, num_experts=E, head_dim=8, **top2)),
-        "qwen2_moe": ("Qwen2MoeForCausalLM", dict(sized, num_experts=E, shared_expert_intermediate_size=32 * W, **top2)),
+        "qwen2_moe": ("Qwen2MoeForCausalLM", dict(sized, num_experts=E, shared_expert_intermediate_size=32 * W,
+                                                  **top2)),
         "olmoe": ("OlmoeForCausalLM", dict(base, intermediate_size=16 * W, num_experts=E, **top2)),
         "phimoe": ("PhimoeForCausalLM", dict(base, intermediate_size=16 * W, num_local_experts=E)),
         "deepseek_v2": ("DeepseekV2ForCausalLM", dict(

@@ -113,8 +113,11 @@ def cell_to_keeping_lazy(cell, dtype, skip_untouched: bool = True):
 
     floating = tuple(mstype.float_type) + tuple(mstype.complex_type)
 
+    def target_of(tensor):  # Cell.to casts floating tensors only
+        return dtype if tensor.dtype in floating else None
+
     def convert(tensor):
-        target = dtype if tensor.dtype in floating else None
+        target = target_of(tensor)
         if isinstance(tensor, ms.Parameter) and tensor.has_init:
             if target is not None and tensor.dtype != target:
                 tensor.set_dtype(target)
@@ -129,8 +132,11 @@ def cell_to_keeping_lazy(cell, dtype, skip_untouched: bool = True):
         if one._buffers:
             return False
         for param in one._params.values():
-            if param is not None and not (param.has_init and (param.dtype == dtype or param.dtype not in floating)):
-                return False
+            if param is None:
+                continue
+            target = target_of(param)
+            if not param.has_init or (target is not None and target != param.dtype):
+                return False  # not lazy, or convert would cast it
         return True
 
     def apply(one):
