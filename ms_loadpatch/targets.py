@@ -61,9 +61,13 @@ TARGETS: tuple[Target, ...] = (
     # (reached through modeling_utils' `nn`, so it is applied once mindone is imported);
     # it acts only inside an accelerated transformers load
     Target(_TF, "nn.Cell.to", f"{_TF_GLUE}:cell_to", feature="cell_to"),
+    # nn.Cell.set_train, which from_pretrained calls last (also through modeling_utils' `nn`);
+    # it acts only inside an accelerated transformers load
+    Target(_TF, "nn.Cell.set_train", f"{_TF_GLUE}:cell_set_train"),
     # internals of its loading path, active only inside an accelerated from_pretrained
     Target(_TF, "PreTrainedModel.__init__", f"{_TF_GLUE}:model_init"),
     Target(_TF, "PreTrainedModel.init_weights", f"{_TF_GLUE}:init_weights"),
+    Target(_TF, "PreTrainedModel.tie_weights", f"{_TF_GLUE}:tie_weights"),
     Target(_TF, "PreTrainedModel._load_pretrained_model", f"{_TF_GLUE}:load_pretrained_model"),
     Target(_TF, "_convert_state_dict", f"{_TF_GLUE}:convert_state_dict"),
     Target(_TF, "_find_missing_and_unexpected_keys", f"{_TF_GLUE}:find_missing_and_unexpected_keys"),

@@ -1031,6 +1031,32 @@ def test_an_exception_in_the_window_leaves_nothing_behind():
     assert nn.Cell.total_instance_count == count
 
 
+def test_refresh_parameter_names_visits_each_cell_first(monkeypatch):
+    """init_weights' flag pass rides on the refresh's walk: `each_cell` sees
+    the cells cells_and_names() gives (shared once, an empty CellList not),
+    in its order, before any name is set; inside a fast window and outside."""
+    from ms_loadpatch.strategy.construct import refresh_parameter_names
+
+    class Block(nn.Cell):
+        def __init__(self):
+            super().__init__()
+            shared = nn.Dense(2, 2)
+            self.inner = shared
+            self.items = nn.CellList([nn.Dense(2, 2), shared, nn.CellList()])
+
+    monkeypatch.setenv(window.START_ENV_VAR, "0")
+    for fast in (False, True):
+        with CONSTRUCTION_LOCK, lazy_construction(fast=fast):
+            block = Block()
+            block.items[0].weight.name = "stale"
+            seen = []
+            refresh_parameter_names(block, lambda cell: seen.append((cell, block.items[0].weight.name)))
+        assert [id(c) for c, _ in seen] == [id(c) for _, c in block.cells_and_names()]
+        assert {name for _, name in seen} == {"stale"}
+        assert block.items[0].weight.name == "items.0.weight"
+    assert building.leftovers() == []
+
+
 def test_refresh_parameter_names_sets_only_what_differs(monkeypatch):
     """What init_weights does besides init: every parameter named by its path
     (through flat-name-walk's walk inside a fast window); a wrong name is set,

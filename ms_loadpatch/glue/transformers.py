@@ -19,7 +19,7 @@ import mindspore as ms
 import wrapt
 
 from . import common
-from ..strategy import context
+from ..strategy import cellflags, context
 from ..strategy.assign import assign, cast_parameters, cell_to_keeping_lazy, check_and_pair
 from ..strategy.building import window
 from ..strategy.construct import initialize_unloaded, lazy_construction, refresh_parameter_names, state_index
@@ -167,12 +167,46 @@ def init_weights(wrapped, instance, args, kwargs):
         # a build inside lazy_construction() with mindone's init pass off: what init_weights does then
         refresh_parameter_names(instance)
         return None
-    if _modeling_utils()._init_weights:
-        _flag_initialized(instance)  # where the skipped pass puts the flag in each cell's __dict__
-    refresh_parameter_names(instance)  # what init_weights does besides init
+    # what init_weights does besides init, and the flag its skipped init pass puts in each cell's __dict__
+    refresh_parameter_names(instance, _flagging_initialized() if _modeling_utils()._init_weights else None)
     if instance is ctx.construction_root:
         ctx.close_construction()
     return None
+
+
+# mindone 0.5's PreTrainedModel.tie_weights, which tie_weights below repeats: the names its code uses
+_TIE_WEIGHTS_NAMES = ("cells_and_names", "isinstance", "PreTrainedModel", "tie_embeddings_and_encoder_decoder",
+                      "hasattr", "_tie_weights")
+
+
+def tie_weights(wrapped, instance, args, kwargs):
+    """PreTrainedModel.tie_weights (from_pretrained calls it twice) inside an
+    accelerated load: the same walk and calls, its per-cell
+    `hasattr(cell, "_tie_weights")` answered by cellflags. Anywhere else, or
+    when mindone's method is not the one this repeats, mindone's own."""
+    code = getattr(getattr(wrapped, "__func__", wrapped), "__code__", None)
+    if (context.current() is None or args or kwargs or code is None or code.co_names != _TIE_WEIGHTS_NAMES
+            or not cellflags.active()):
+        return wrapped(*args, **kwargs)
+    base = _modeling_utils().PreTrainedModel
+    for _, module in instance.cells_and_names():
+        if isinstance(module, base):
+            module.tie_embeddings_and_encoder_decoder()
+        if cellflags.has_attribute(module, "_tie_weights"):
+            module._tie_weights()
+
+
+def cell_set_train(wrapped, instance, args, kwargs):
+    """nn.Cell.set_train, which mindone's from_pretrained calls on the loaded
+    model: inside an accelerated transformers load, cellflags.set_train (the
+    same flags on the same cells); anywhere else, mindspore's own."""
+    ctx = context.current()
+    mode = args[0] if args else kwargs.get("mode", True)
+    if (ctx is None or ctx.report.library != "transformers" or len(args) + len(kwargs) > 1
+            or set(kwargs) - {"mode"} or type(mode) is not bool or not cellflags.active()):
+        return wrapped(*args, **kwargs)
+    cellflags.set_train(instance, mode)
+    return instance
 
 
 def load_pretrained_model(wrapped, instance, args, kwargs):
@@ -299,13 +333,18 @@ class GcWithoutPerShardCollect(wrapt.ObjectProxy):
         return self.__wrapped__.collect(*args, **kwargs)
 
 
-def _flag_initialized(model) -> None:
-    """`_is_hf_initialized = True` on every cell, as post_init's init pass
-    (`_initialize_weights` through `apply`) leaves it: initialize_unloaded
-    reads the flag to know which cells that pass would have initialised."""
-    for _, cell in model.cells_and_names():
-        if not getattr(cell, "_is_hf_initialized", False):
-            cell._is_hf_initialized = True
+def _flagging_initialized():
+    """A function putting `_is_hf_initialized = True` on a cell, as post_init's
+    init pass (`_initialize_weights` through `apply`) leaves every cell:
+    initialize_unloaded reads the flag to know which cells that pass would
+    have initialised. Through cellflags where its probe passed."""
+    has_attribute, set_plain = cellflags.lookups()
+
+    def flag(cell):
+        if not (has_attribute(cell, "_is_hf_initialized") and getattr(cell, "_is_hf_initialized", False)):
+            set_plain(cell, "_is_hf_initialized", True)
+
+    return flag
 
 
 def _initializer_for(cell, parents):

@@ -25,12 +25,18 @@ def lazy_construction(fast: bool = True, checkpoint_tensors: int | None = None):
         yield
 
 
-def refresh_parameter_names(root) -> None:
+def refresh_parameter_names(root, each_cell=None) -> None:
     """Every parameter named by its path from `root`, as mindone's
     init_weights does after its init pass (`param.name = name` over
     `parameters_and_names()`): walked flat inside a fast window; a name that
-    is already right is not set again (setting an equal name changes nothing)."""
-    named = building.named_parameters(root)
+    is already right is not set again (setting an equal name changes nothing).
+    `each_cell(cell)` first, on every cell in cells_and_names() order (the
+    init pass's place), from the same walk when it is flat."""
+    cells = [] if each_cell is not None else None
+    named = building.named_parameters(root, cells)
+    if each_cell is not None:
+        for cell in (cell for _, cell in root.cells_and_names()) if named is None else cells:
+            each_cell(cell)
     for name, param in root.parameters_and_names() if named is None else named:
         if param.name != name:
             param.name = name
@@ -101,11 +107,13 @@ def initialize_unloaded(root, loaded: dict, initialize_for):
     """
     reinitialised = 0
     seen = set()
+    reached = []  # every cell's parameters, in walk order: what get_parameters below can yield
     for _, cell, parents in walk_cells(root):
         if id(cell) in seen:
             continue
         seen.add(id(cell))
         own = [p for p in cell._params.values() if p is not None]
+        reached += own
         if not any(id(p) not in loaded for p in own):
             continue
         initialize = initialize_for(cell, parents)
@@ -121,7 +129,10 @@ def initialize_unloaded(root, loaded: dict, initialize_for):
             for param in sub._params.values():
                 if param is not None and id(param) in loaded:
                     fill(param, loaded[id(param)])
-    for param in root.get_parameters():
-        if param.has_init:
-            param.init_data()
+    # get_parameters yields a subset of `reached` (or an inited_param instead): when none of those
+    # is lazy and no _init_weights ran (which may have swapped parameters), it finds nothing to init
+    if reinitialised or any(param.has_init or param.inited_param is not None for param in reached):
+        for param in root.get_parameters():
+            if param.has_init:
+                param.init_data()
     return reinitialised

@@ -40,10 +40,11 @@ def engaged_at() -> int | None:
     return window.engaged_at
 
 
-def named_parameters(root) -> list | None:
+def named_parameters(root, cells: list | None = None) -> list | None:
     """root.parameters_and_names() as a list through flat-name-walk's walk
-    when it is installed for the calling thread's window, else None."""
-    return _FLAT_NAME_WALK.named_parameters(root)
+    when it is installed for the calling thread's window, else None; `cells`
+    (a list) then gets root.cells_and_names()'s cells from the same walk."""
+    return _FLAT_NAME_WALK.named_parameters(root, cells)
 
 
 def probe_result(technique) -> str | None:

@@ -47,9 +47,10 @@ class FlatNameWalk(Technique):
             self.plain_classes[cls] = plain
         return plain
 
-    def _walk(self, root):
+    def _walk(self, root, cells=None):
         """(name, parameter) as root.parameters_and_names() yields them, or None
-        when a cell of the subtree overrides how it is walked."""
+        when a cell of the subtree overrides how it is walked; `cells` (a
+        list) gets every cell as root.cells_and_names() yields them."""
         plain_of, is_plain = self.plain_classes, self._plain
         if not is_plain(type(root)):
             return None
@@ -60,6 +61,8 @@ class FlatNameWalk(Technique):
             if cell in seen_cells:
                 continue
             seen_cells.add(cell)
+            if cells is not None:
+                cells.append(cell)
             prefix = cell_name + "." if cell_name else ""
             for par_name, par in cell._params.items():
                 if par is not None:
@@ -80,13 +83,14 @@ class FlatNameWalk(Technique):
                 stack.extend(reversed(children))
         return out
 
-    def named_parameters(self, root):
+    def named_parameters(self, root, cells=None):
         """root.parameters_and_names() as a list, walked with one stack, when
         this technique is installed and the calling thread is the builder;
-        None otherwise (or when a cell of the subtree overrides the walk)."""
+        None otherwise (or when a cell of the subtree overrides the walk).
+        `cells` (a list) gets root.cells_and_names()'s cells from the same walk."""
         if not self.installed or window.builder != threading.get_ident():
             return None
-        return self._walk(root)
+        return self._walk(root, cells)
 
     def install(self):
         if vars(self.cell_class).get("update_parameters_name") is not self.original:

@@ -66,12 +66,29 @@ def comparable(value, ids: dict, depth=0):
     return ("repr", type(value).__qualname__, text)
 
 
+def _cells_and_names(model) -> list:
+    """model.cells_and_names() as a list, with the children it passes over
+    for being falsy (an empty CellList) too: their state is compared as well."""
+    out, seen = [], set()
+    stack = [("", model)]
+    while stack:
+        name, cell = stack.pop()
+        if id(cell) in seen:
+            continue
+        seen.add(id(cell))
+        out.append((name, cell))
+        children = [(f"{name}.{key}" if name else key, child) for key, child in cell._cells.items()
+                    if child is not None]
+        stack += reversed(children)
+    return out
+
+
 def model_state(model, skip=(PER_INSTANCE_TIME,)) -> list:
     """Every cell (preorder, shared ones once): name, class, flags, `__dict__`
     keys in order and values (cells by position, parameters and primitives by
     content); `skip`: documented per-instance values."""
     ids: dict = {}
-    cells = list(model.cells_and_names())
+    cells = _cells_and_names(model)
     for position, (_, cell) in enumerate(cells):
         ids[id(cell)] = (position, cell)
     out = []

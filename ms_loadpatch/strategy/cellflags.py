@@ -1,0 +1,263 @@
+"""The per-cell flag passes of a transformers load, without mindspore's
+per-cell exception and attribute dispatch.
+
+After the build, a load passes over every cell three more times: the init
+flag (`_is_hf_initialized`, ms_loadpatch's stand-in for post_init's init
+pass), mindone's `tie_weights` (`hasattr(cell, "_tie_weights")`, twice) and
+`set_train(False)` (`add_flags`: `hasattr(cell, "_func_graph_flags")`, then
+the flag dicts). A name a cell lacks falls through to `nn.Cell.__getattr__`,
+which looks in four dicts and raises a formatted AttributeError, and every
+write goes through `nn.Cell.__setattr__`'s type dispatch: ~5 us per cell,
+~0.3 s per load of a 15k-cell MoE. Here the same questions are answered by
+looking where those methods look, and plain values are written where
+`nn.Cell.__setattr__` would put them (the instance `__dict__`); a cell whose
+class defines any of these names or overrides a method involved takes
+mindspore's own path.
+
+That is knowledge of mindspore's code, so `probe()` checks it once per
+process on the installed version: the methods name nothing else, and twin
+trees (shared and repeated children, a None child, an overriding class)
+answer and end up alike (building.state.model_state). A failed probe leaves
+every pass to mindspore and status() says why;
+MS_LOADPATCH_TECHNIQUES_OFF=cell-flags turns it off.
+"""
+
+from __future__ import annotations
+
+import threading
+
+from . import switch
+
+NAME = "cell-flags"
+DESCRIPTION = ("the per-cell passes after a transformers build (the init flag, tie_weights' hasattr, "
+               "set_train's flags) without nn.Cell.__getattr__'s raised miss or __setattr__'s dispatch")
+
+# Where nn.Cell.__getattr__ looks a name up that normal lookup missed.
+GETATTR_DICTS = ("_params", "_buffers", "_cells", "_params_list")
+# Where nn.Cell.__setattr__ (through _set_attr_for_object) treats a plain value's name specially.
+SETATTR_DICTS = ("_params", "_cells", "_buffers")
+# The names this module reads or writes on cells: a class defining one takes mindspore's path.
+NAMES = ("_func_graph_flags", "_is_hf_initialized", "_tie_weights", "training")
+# nn.Cell methods whose behaviour is reproduced here: a class overriding one takes mindspore's path.
+METHODS = ("__getattr__", "__setattr__", "add_flags", "add_flags_recursive", "cells", "name_cells",
+           "_add_mixed_precision_flag")
+# The global names each reproduced method may use (anything else is a side effect not reproduced).
+KNOWN_NAMES = {
+    "__getattr__": {"__dict__", "AttributeError", "format", "type", "__name__"},
+    "__setattr__": {"isinstance", "Parameter", "ParameterTuple", "_set_attr_for_param_or_param_tuple",
+                    "_is_parameter_list_or_tuple", "_set_attr_for_parameter_in_list_or_tuple", "Cell",
+                    "_set_attr_for_cell", "_Buffer", "__dict__", "register_buffer", "Primitive",
+                    "set_prim_instance_name", "_primitives", "object", "__setattr__", "_set_attr_for_object"},
+    "_set_attr_for_object": {"__dict__", "get", "isinstance", "Tensor", "set_data", "TypeError", "type", "__name__",
+                             "object", "__setattr__"},
+    "set_train": {"_phase", "add_flags_recursive"},
+    "add_flags_recursive": {"add_flags", "cells", "add_flags_recursive"},
+    "add_flags": {"hasattr", "_func_graph_flags", "update", "__dict__", "_add_mixed_precision_flag"},
+    "cells": {"name_cells", "values"},
+    "name_cells": {"set", "OrderedDict", "_cells", "items", "add"},
+}
+# Plain values: nn.Cell.__setattr__ gives these to _set_attr_for_object (not Parameters, cells, tensors, lists).
+_PLAIN_VALUES = (bool, int, str, dict)
+
+_lock = threading.Lock()
+_probing = threading.local()
+_verdict: list = []  # [reason or None], once probed
+_plain: dict[type, bool] = {}
+
+
+def switched_off() -> bool:
+    return switch.is_off(NAME)
+
+
+def active() -> bool:
+    """Not switched off and the probe passed (it runs here the first time)."""
+    return not switched_off() and probe() is None
+
+
+def _is_plain(cls) -> bool:
+    """True when instances of `cls` look names up and take flags as nn.Cell does
+    and the class defines none of NAMES."""
+    plain = _plain.get(cls)
+    if plain is None:
+        from mindspore import nn
+
+        own = vars(nn.Cell)
+        plain = (cls.__getattribute__ is object.__getattribute__
+                 and all(getattr(cls, method, None) is own.get(method) for method in METHODS)
+                 and not any(name in vars(klass) for klass in cls.__mro__ for name in NAMES))
+        _plain[cls] = plain
+    return plain
+
+
+def has_attribute(cell, name: str) -> bool:
+    """hasattr(cell, name) for a name in NAMES, without raising on a plain cell that lacks it."""
+    if not _is_plain(type(cell)):
+        return hasattr(cell, name)
+    instance_dict = cell.__dict__
+    if name in instance_dict:
+        return True
+    for attr in GETATTR_DICTS:
+        found = instance_dict.get(attr)
+        if found is not None and name in found:
+            return hasattr(cell, name)  # nn.Cell.__getattr__ finds it there
+    return False
+
+
+def set_plain(cell, name: str, value) -> None:
+    """setattr(cell, name, value) for a name in NAMES and a plain value
+    (bool, int, str, dict): into the instance `__dict__`, where
+    nn.Cell.__setattr__ would end in object.__setattr__."""
+    if not _is_plain(type(cell)) or type(value) not in _PLAIN_VALUES:
+        setattr(cell, name, value)
+        return
+    instance_dict = cell.__dict__
+    for attr in SETATTR_DICTS:
+        found = instance_dict.get(attr)
+        if found is not None and name in found:
+            setattr(cell, name, value)  # mindspore's own handling (or error) for a parameter / cell / buffer name
+            return
+    instance_dict[name] = value
+
+
+def lookups():
+    """(has_attribute, set_plain) for one pass: this module's when active, else hasattr and setattr."""
+    return (has_attribute, set_plain) if active() else (hasattr, setattr)
+
+
+def set_train(root, mode: bool) -> None:
+    """root.set_train(mode) as nn.Cell's: `_phase` on the root, then add_flags(training=mode)
+    on every cell in add_flags_recursive's order (depth first, each cell's
+    children once each as name_cells gives them, a cell shared by two parents
+    flagged under both). A cell of a class that is not plain gets its own
+    add_flags_recursive, as mindspore's recursion would call it."""
+    root._phase = "train" if mode else "predict"
+    flags = {"training": mode}
+    stack = [root]
+    plain = _plain
+    while stack:
+        cell = stack.pop()
+        cls = type(cell)
+        if not (plain[cls] if cls in plain else _is_plain(cls)):
+            cell.add_flags_recursive(training=mode)
+            continue
+        instance_dict = cell.__dict__
+        graph_flags = instance_dict.get("_func_graph_flags")  # a plain class: what `cell._func_graph_flags` reads
+        if graph_flags is None:
+            if not has_attribute(cell, "_func_graph_flags"):
+                set_plain(cell, "_func_graph_flags", {})
+            graph_flags = cell._func_graph_flags
+        graph_flags.update(flags)
+        instance_dict.update(flags)  # _add_mixed_precision_flag: nothing for `training`
+        children = instance_dict.get("_cells")
+        if children:
+            unique, seen = [], set()
+            for child in children.values():  # name_cells: not None, each cell once
+                if child is not None and id(child) not in seen:
+                    seen.add(id(child))
+                    unique.append(child)
+            unique.reverse()
+            stack += unique
+
+
+def probe() -> str | None:
+    """None when this module's passes match mindspore's on the installed version (run once).
+    Asked again from inside the probe (a patched method it calls): not yet, so mindspore's path."""
+    if getattr(_probing, "active", False):
+        return "the probe is running"
+    with _lock:
+        if not _verdict:
+            _probing.active = True
+            try:
+                _verdict.append(_probe())
+            finally:
+                _probing.active = False
+        return _verdict[0]
+
+
+def _code_problem(function, known: set) -> str | None:
+    code = getattr(function, "__code__", None)
+    if code is None:
+        return f"{getattr(function, '__qualname__', function)} is not a Python function"
+    unknown = sorted(set(code.co_names) - known)
+    if unknown:
+        return f"nn.Cell.{code.co_name} refers to {', '.join(unknown)}"
+    return None
+
+
+def _probe() -> str | None:
+    try:
+        from mindspore import nn
+
+        own = vars(nn.Cell)
+        for method, known in KNOWN_NAMES.items():
+            problem = _code_problem(own.get(method), known)
+            if problem is not None:
+                return f"{problem}: not reproduced here"
+        private = {c for c in own["__getattr__"].__code__.co_consts if isinstance(c, str) and c.startswith("_")}
+        if private != set(GETATTR_DICTS):
+            return f"nn.Cell.__getattr__ looks in {', '.join(sorted(private))}, not {', '.join(GETATTR_DICTS)}"
+        return _compare_twins(nn)
+    except Exception as exc:  # an internal it relies on changed
+        return f"{type(exc).__name__}: {exc}"
+
+
+def _probe_tree(nn):
+    """A tree touching every case: flags already there or not, a shared cell
+    (two parents), a repeated child, a None child, an empty CellList, a
+    class overriding add_flags, names in the dicts nn.Cell.__getattr__ reads."""
+    import mindspore as ms
+    import numpy as np
+
+    class Flagging(nn.Cell):
+        def add_flags(self, **flags):
+            self.seen = sorted(flags)
+            return super().add_flags(**flags)
+
+    class Tied(nn.Cell):
+        def _tie_weights(self):
+            pass
+
+    shared = nn.Dense(2, 2)
+    root = nn.Cell()
+    root.first = nn.SequentialCell([shared, nn.ReLU(), shared])
+    root.second = nn.CellList([shared, nn.CellList(), Flagging(), Tied()])
+    root.second[2].inner = nn.Dense(2, 2)
+    root.dropped = nn.Dense(2, 2)
+    root.dropped = None  # stays in _cells as None
+    root.register_buffer("_tie_weights", ms.Tensor(np.zeros(1, np.float32)))  # found by __getattr__
+    root.first.add_flags(training=True)  # a cell with its flag dict already made
+    return root
+
+
+def _compare_twins(nn) -> str | None:
+    from .building.state import first_difference, model_state
+
+    real, fast = _probe_tree(nn), _probe_tree(nn)
+    for (_, a), (_, b) in zip(real.cells_and_names(), fast.cells_and_names()):
+        for name in NAMES + ("_params", "missing"):
+            if hasattr(a, name) != has_attribute(b, name):
+                return f"has_attribute({type(b).__name__}, {name!r}) differs from hasattr"
+        if not getattr(a, "_is_hf_initialized", False):
+            a._is_hf_initialized = True
+        if not (has_attribute(b, "_is_hf_initialized") and getattr(b, "_is_hf_initialized", False)):
+            set_plain(b, "_is_hf_initialized", True)
+    cell_set_train = vars(nn.Cell)["set_train"]
+    cell_set_train = getattr(cell_set_train, "__wrapped__", cell_set_train)  # mindspore's, not ms_loadpatch's wrapper
+    for mode in (False, True):
+        cell_set_train(real, mode)
+        set_train(fast, mode)
+        expected, got = model_state(real), model_state(fast)
+        if expected != got:
+            return f"set_train({mode}) leaves a tree unlike nn.Cell's: {first_difference(expected, got)}"
+    return None
+
+
+def technique_status() -> dict:
+    """status()'s row; runs the probe."""
+    row = {"name": NAME, "libraries": ["transformers"], "description": DESCRIPTION}
+    if switched_off():
+        return {**row, "state": "off", "reason": switch.reason_off()}
+    reason = probe()
+    if reason is None:
+        return {**row, "state": "active", "reason": "probe passed: twin trees answer and end up alike"}
+    return {**row, "state": "skipped", "reason": f"probe failed: {reason}"}
