@@ -3,8 +3,8 @@
 version matrix read.
 
 Kinds: "api" (how tensors are made, assigned and cast: versions.Techniques,
-probed per mindspore), "cast-on-read" (strategy/castread.py), "cell-flags"
-(strategy/cellflags.py) and "construction" (strategy/building/). Above the strategy and versions.py:
+probed per mindspore), "cast-on-read" (strategy/castread.py), "cell-passes"
+(strategy/cellpasses.py) and "construction" (strategy/building/). Above the strategy and versions.py:
 it reads both. A new kind is one entry in `_KINDS`:
 a function giving its rows (name, libraries, description, state, reason).
 """
@@ -26,10 +26,10 @@ def _cast_on_read_rows() -> list[dict]:
     return [castread.technique_status()]
 
 
-def _cell_flag_rows() -> list[dict]:
-    from .strategy import cellflags
+def _cell_pass_rows() -> list[dict]:
+    from .strategy import cellpasses
 
-    return [cellflags.technique_status()]
+    return [cellpasses.technique_status()]
 
 
 def _construction_rows() -> list[dict]:
@@ -46,7 +46,7 @@ def _construction_rows() -> list[dict]:
 
 
 # (kind, rows); cast-on-read and construction need lazy construction (an api row) active
-_KINDS = (("api", _api_rows), ("cast-on-read", _cast_on_read_rows), ("cell-flags", _cell_flag_rows),
+_KINDS = (("api", _api_rows), ("cast-on-read", _cast_on_read_rows), ("cell-passes", _cell_pass_rows),
           ("construction", _construction_rows))
 
 

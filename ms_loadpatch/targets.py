@@ -70,6 +70,7 @@ TARGETS: tuple[Target, ...] = (
     Target(_TF, "PreTrainedModel.tie_weights", f"{_TF_GLUE}:tie_weights"),
     Target(_TF, "PreTrainedModel._load_pretrained_model", f"{_TF_GLUE}:load_pretrained_model"),
     Target(_TF, "_convert_state_dict", f"{_TF_GLUE}:convert_state_dict"),
+    Target(_TF, "_get_pt2ms_mappings", f"{_TF_GLUE}:pt2ms_mappings"),
     Target(_TF, "_find_missing_and_unexpected_keys", f"{_TF_GLUE}:find_missing_and_unexpected_keys"),
     Target(_TF, "_load_state_dict_into_model", f"{_TF_GLUE}:load_state_dict_into_model"),
     # its `gc` name only (not the gc module): gc.collect() per shard costs ~0.2 s

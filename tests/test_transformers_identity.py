@@ -280,6 +280,33 @@ def test_one_state_dict_walk_per_load(checkpoints, monkeypatch):
     assert state.model_state(acc, skip) == state.model_state(ref, skip)
 
 
+def test_one_pt2ms_walk_per_load(checkpoints, monkeypatch):
+    """mindone's _get_pt2ms_mappings walks the model for _load_pretrained_model
+    and again per shard's key conversion; an accelerated load walks once."""
+    import sys
+
+    walks = []
+    cells_and_names = ms.nn.Cell.cells_and_names
+
+    def counting(self, *args, **kwargs):
+        if sys._getframe(1).f_code.co_name == "_get_pt2ms_mappings":
+            walks.append(type(self).__name__)
+        return cells_and_names(self, *args, **kwargs)
+
+    monkeypatch.setattr(ms.nn.Cell, "cells_and_names", counting)
+    path = checkpoints["qwen2"]["fp32-sharded"]
+    shards = len([f for f in os.listdir(path) if f.endswith(".safetensors")])
+    with ms_loadpatch.disabled():
+        ref, ref_info = _load(mt.Qwen2ForCausalLM, path)
+    assert walks == ["Qwen2ForCausalLM"] * (1 + shards)
+    walks.clear()
+    acc, acc_info = _load(mt.Qwen2ForCausalLM, path)
+    assert last_report().tensors_assigned > 0
+    assert walks == ["Qwen2ForCausalLM"]
+    assert acc_info == ref_info
+    assert_same_model(ref, acc)
+
+
 class _LateCellQwen2(mt.Qwen2ForCausalLM):
     """Adds a cell after post_init: its init pass never visits it, so the cell
     keeps its own initializer (ones / zeros here, not Qwen2's `_init_weights`

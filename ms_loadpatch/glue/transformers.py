@@ -19,7 +19,7 @@ import mindspore as ms
 import wrapt
 
 from . import common
-from ..strategy import cellflags, context
+from ..strategy import cellpasses, context
 from ..strategy.assign import assign, cast_parameters, cell_to_keeping_lazy, check_and_pair
 from ..strategy.building import window
 from ..strategy.construct import initialize_unloaded, lazy_construction, refresh_parameter_names, state_index
@@ -182,30 +182,30 @@ _TIE_WEIGHTS_NAMES = ("cells_and_names", "isinstance", "PreTrainedModel", "tie_e
 def tie_weights(wrapped, instance, args, kwargs):
     """PreTrainedModel.tie_weights (from_pretrained calls it twice) inside an
     accelerated load: the same walk and calls, its per-cell
-    `hasattr(cell, "_tie_weights")` answered by cellflags. Anywhere else, or
+    `hasattr(cell, "_tie_weights")` answered by cellpasses. Anywhere else, or
     when mindone's method is not the one this repeats, mindone's own."""
     code = getattr(getattr(wrapped, "__func__", wrapped), "__code__", None)
     if (context.current() is None or args or kwargs or code is None or code.co_names != _TIE_WEIGHTS_NAMES
-            or not cellflags.active()):
+            or not cellpasses.active()):
         return wrapped(*args, **kwargs)
     base = _modeling_utils().PreTrainedModel
     for _, module in instance.cells_and_names():
         if isinstance(module, base):
             module.tie_embeddings_and_encoder_decoder()
-        if cellflags.has_attribute(module, "_tie_weights"):
+        if cellpasses.has_attribute(module, "_tie_weights"):
             module._tie_weights()
 
 
 def cell_set_train(wrapped, instance, args, kwargs):
     """nn.Cell.set_train, which mindone's from_pretrained calls on the loaded
-    model: inside an accelerated transformers load, cellflags.set_train (the
+    model: inside an accelerated transformers load, cellpasses.set_train (the
     same flags on the same cells); anywhere else, mindspore's own."""
     ctx = context.current()
     mode = args[0] if args else kwargs.get("mode", True)
     if (ctx is None or ctx.report.library != "transformers" or len(args) + len(kwargs) > 1
-            or set(kwargs) - {"mode"} or type(mode) is not bool or not cellflags.active()):
+            or set(kwargs) - {"mode"} or type(mode) is not bool or not cellpasses.active()):
         return wrapped(*args, **kwargs)
-    cellflags.set_train(instance, mode)
+    cellpasses.set_train(instance, mode)
     return instance
 
 
@@ -226,6 +226,20 @@ def load_pretrained_model(wrapped, instance, args, kwargs):
     ctx.state.load_done = True
     ctx.loaded.clear()
     return result
+
+
+def pt2ms_mappings(wrapped, instance, args, kwargs):
+    """mindone's _get_pt2ms_mappings(model), walked once per model of an
+    accelerated load: _load_pretrained_model asks for it, then the key
+    conversion (convert_state_dict) again. It reads cell names and classes,
+    which nothing between the two changes; both only read the result."""
+    ctx = context.current()
+    if ctx is None or len(args) != 1 or kwargs:
+        return wrapped(*args, **kwargs)
+    cache = ctx.state.pt2ms_mappings
+    if id(args[0]) not in cache:
+        cache[id(args[0])] = wrapped(*args)
+    return cache[id(args[0])]
 
 
 def convert_state_dict(wrapped, instance, args, kwargs):
@@ -337,8 +351,8 @@ def _flagging_initialized():
     """A function putting `_is_hf_initialized = True` on a cell, as post_init's
     init pass (`_initialize_weights` through `apply`) leaves every cell:
     initialize_unloaded reads the flag to know which cells that pass would
-    have initialised. Through cellflags where its probe passed."""
-    has_attribute, set_plain = cellflags.lookups()
+    have initialised. Through cellpasses where its probe passed."""
+    has_attribute, set_plain = cellpasses.lookups()
 
     def flag(cell):
         if not (has_attribute(cell, "_is_hf_initialized") and getattr(cell, "_is_hf_initialized", False)):

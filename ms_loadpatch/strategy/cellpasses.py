@@ -1,25 +1,25 @@
-"""The per-cell flag passes of a transformers load, without mindspore's
-per-cell exception and attribute dispatch.
+"""The per-cell passes of a transformers load after the build, without
+mindspore's per-cell exception and attribute dispatch.
 
-After the build, a load passes over every cell three more times: the init
-flag (`_is_hf_initialized`, ms_loadpatch's stand-in for post_init's init
-pass), mindone's `tie_weights` (`hasattr(cell, "_tie_weights")`, twice) and
+After the build, a load passes over every cell again: the init flag
+(`_is_hf_initialized`, ms_loadpatch's stand-in for post_init's init pass),
+mindone's `tie_weights` (`hasattr(cell, "_tie_weights")`, twice) and
 `set_train(False)` (`add_flags`: `hasattr(cell, "_func_graph_flags")`, then
-the flag dicts). A name a cell lacks falls through to `nn.Cell.__getattr__`,
-which looks in four dicts and raises a formatted AttributeError, and every
-write goes through `nn.Cell.__setattr__`'s type dispatch: ~5 us per cell,
-~0.3 s per load of a 15k-cell MoE. Here the same questions are answered by
-looking where those methods look, and plain values are written where
-`nn.Cell.__setattr__` would put them (the instance `__dict__`); a cell whose
-class defines any of these names or overrides a method involved takes
-mindspore's own path.
+the flag dicts). A name a cell lacks falls through to
+`nn.Cell.__getattr__`, which looks in four dicts and raises a formatted
+AttributeError, and every write goes through `nn.Cell.__setattr__`'s type
+dispatch: ~0.2 s per load of a 15k-cell MoE. Here the same questions are
+answered by looking where those methods look, and plain values are written
+where `nn.Cell.__setattr__` would put them (the instance `__dict__`); a cell
+whose class defines any of these names or overrides a method involved takes
+mindspore's path for it.
 
 That is knowledge of mindspore's code, so `probe()` checks it once per
 process on the installed version: the methods name nothing else, and twin
 trees (shared and repeated children, a None child, an overriding class)
-answer and end up alike (building.state.model_state). A failed probe leaves
-every pass to mindspore and status() says why;
-MS_LOADPATCH_TECHNIQUES_OFF=cell-flags turns it off.
+answer and end up alike (building.state.model_state). A failed probe
+leaves every pass to mindspore and status() says why;
+MS_LOADPATCH_TECHNIQUES_OFF=cell-passes turns it off.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ import threading
 
 from . import switch
 
-NAME = "cell-flags"
+NAME = "cell-passes"
 DESCRIPTION = ("the per-cell passes after a transformers build (the init flag, tie_weights' hasattr, "
                "set_train's flags) without nn.Cell.__getattr__'s raised miss or __setattr__'s dispatch")
 
@@ -38,9 +38,11 @@ GETATTR_DICTS = ("_params", "_buffers", "_cells", "_params_list")
 SETATTR_DICTS = ("_params", "_cells", "_buffers")
 # The names this module reads or writes on cells: a class defining one takes mindspore's path.
 NAMES = ("_func_graph_flags", "_is_hf_initialized", "_tie_weights", "training")
-# nn.Cell methods whose behaviour is reproduced here: a class overriding one takes mindspore's path.
-METHODS = ("__getattr__", "__setattr__", "add_flags", "add_flags_recursive", "cells", "name_cells",
-           "_add_mixed_precision_flag")
+# nn.Cell methods each pass reproduces: a class overriding one takes mindspore's path for it.
+LOOKUP_METHODS = ("__getattr__", "__setattr__")
+TRAIN_METHODS = LOOKUP_METHODS + ("add_flags", "add_flags_recursive", "cells", "name_cells",
+                                  "_add_mixed_precision_flag")
+
 # The global names each reproduced method may use (anything else is a side effect not reproduced).
 KNOWN_NAMES = {
     "__getattr__": {"__dict__", "AttributeError", "format", "type", "__name__"},
@@ -62,7 +64,7 @@ _PLAIN_VALUES = (bool, int, str, dict)
 _lock = threading.Lock()
 _probing = threading.local()
 _verdict: list = []  # [reason or None], once probed
-_plain: dict[type, bool] = {}
+_plain: dict[tuple, bool] = {}  # (class, methods, names) -> plain
 
 
 def switched_off() -> bool:
@@ -74,18 +76,19 @@ def active() -> bool:
     return not switched_off() and probe() is None
 
 
-def _is_plain(cls) -> bool:
-    """True when instances of `cls` look names up and take flags as nn.Cell does
-    and the class defines none of NAMES."""
-    plain = _plain.get(cls)
+def _is_plain(cls, methods=LOOKUP_METHODS, names=NAMES) -> bool:
+    """True when instances of `cls` look names up as nn.Cell does, use its
+    own `methods`, and the class defines none of `names`."""
+    key = (cls, methods, names)
+    plain = _plain.get(key)
     if plain is None:
         from mindspore import nn
 
         own = vars(nn.Cell)
         plain = (cls.__getattribute__ is object.__getattribute__
-                 and all(getattr(cls, method, None) is own.get(method) for method in METHODS)
-                 and not any(name in vars(klass) for klass in cls.__mro__ for name in NAMES))
-        _plain[cls] = plain
+                 and all(getattr(cls, method, None) is own.get(method) for method in methods)
+                 and not any(name in vars(klass) for klass in cls.__mro__ for name in names))
+        _plain[key] = plain
     return plain
 
 
@@ -136,8 +139,8 @@ def set_train(root, mode: bool) -> None:
     plain = _plain
     while stack:
         cell = stack.pop()
-        cls = type(cell)
-        if not (plain[cls] if cls in plain else _is_plain(cls)):
+        key = (type(cell), TRAIN_METHODS, NAMES)
+        if not (plain[key] if key in plain else _is_plain(*key)):
             cell.add_flags_recursive(training=mode)
             continue
         instance_dict = cell.__dict__
@@ -175,6 +178,10 @@ def probe() -> str | None:
 
 
 def _code_problem(function, known: set) -> str | None:
+    import inspect
+
+    if callable(function):
+        function = inspect.unwrap(function)  # mindspore's own, under a wrapper (set_train's is ms_loadpatch's)
     code = getattr(function, "__code__", None)
     if code is None:
         return f"{getattr(function, '__qualname__', function)} is not a Python function"

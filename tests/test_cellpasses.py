@@ -1,4 +1,4 @@
-"""cell-flags (strategy/cellflags.py): the per-cell passes after a
+"""cell-passes (strategy/cellpasses.py): the per-cell passes after a
 transformers build (the init flag, tie_weights' hasattr, set_train) answered
 and written where mindspore would, without its per-cell exception. Checked
 against mindspore's own methods on trees with every case, through its probe,
@@ -11,7 +11,7 @@ from mindspore import nn
 
 import mindone.transformers as mt
 import ms_loadpatch
-from ms_loadpatch.strategy import building, cellflags
+from ms_loadpatch.strategy import building, cellpasses
 from ms_loadpatch.strategy.building import state
 from ms_loadpatch.strategy.context import last_report
 from ms_loadpatch.testing import assert_same_model, cpu_kernel_fallbacks
@@ -56,16 +56,16 @@ def _tree():
 
 
 def test_probe_passes_and_status_lists_it():
-    assert cellflags.probe() is None
+    assert cellpasses.probe() is None
     rows = {r["name"]: r for r in ms_loadpatch.status()["techniques"]}
-    row = rows[cellflags.NAME]
-    assert row["state"] == "active" and row["kind"] == "cell-flags", row
+    row = rows[cellpasses.NAME]
+    assert row["state"] == "active" and row["kind"] == "cell-passes", row
 
 
-@pytest.mark.parametrize("name", cellflags.NAMES + ("_params", "weight", "missing"))
+@pytest.mark.parametrize("name", cellpasses.NAMES + ("_params", "weight", "missing"))
 def test_has_attribute_answers_as_hasattr(name):
     for (_, cell) in _tree().cells_and_names():
-        assert cellflags.has_attribute(cell, name) == hasattr(cell, name), (type(cell).__name__, name)
+        assert cellpasses.has_attribute(cell, name) == hasattr(cell, name), (type(cell).__name__, name)
 
 
 @pytest.mark.parametrize("mode", [False, True])
@@ -74,7 +74,7 @@ def test_set_train_leaves_the_tree_as_mindspore_does(mode):
     with their own lookup, recursion or flag property: whole state equal."""
     real, fast = _tree(), _tree()
     _MINDSPORE_SET_TRAIN(real, mode)
-    cellflags.set_train(fast, mode)
+    cellpasses.set_train(fast, mode)
     assert state.model_state(fast) == state.model_state(real)
     assert fast.second[3].recursed == ["training"]
 
@@ -83,13 +83,13 @@ def test_set_plain_writes_as_setattr():
     real, fast = _tree(), _tree()
     for (_, a), (_, b) in zip(real.cells_and_names(), fast.cells_and_names()):
         a._is_hf_initialized = True
-        cellflags.set_plain(b, "_is_hf_initialized", True)
+        cellpasses.set_plain(b, "_is_hf_initialized", True)
     assert state.model_state(fast) == state.model_state(real)
 
 
 def test_probe_fails_on_a_set_train_that_misses_a_flag(monkeypatch):
     """A fast path reaching children by truthiness (missing an empty CellList) fails the probe."""
-    real_set_train = cellflags.set_train
+    real_set_train = cellpasses.set_train
 
     def truthy_children_only(root, mode):
         real_set_train(root, mode)
@@ -98,24 +98,24 @@ def test_probe_fails_on_a_set_train_that_misses_a_flag(monkeypatch):
                 if child is not None and not child:  # an empty CellList
                     del child.__dict__["_func_graph_flags"]
 
-    monkeypatch.setattr(cellflags, "set_train", truthy_children_only)
-    monkeypatch.setattr(cellflags, "_verdict", [])
-    reason = cellflags.probe()
+    monkeypatch.setattr(cellpasses, "set_train", truthy_children_only)
+    monkeypatch.setattr(cellpasses, "_verdict", [])
+    reason = cellpasses.probe()
     assert reason is not None and "set_train(False)" in reason, reason
 
 
 def test_probe_fails_when_getattr_reads_another_dict(monkeypatch):
-    monkeypatch.setattr(cellflags, "GETATTR_DICTS", ("_params", "_buffers", "_cells"))
-    monkeypatch.setattr(cellflags, "_verdict", [])
-    reason = cellflags.probe()
+    monkeypatch.setattr(cellpasses, "GETATTR_DICTS", ("_params", "_buffers", "_cells"))
+    monkeypatch.setattr(cellpasses, "_verdict", [])
+    reason = cellpasses.probe()
     assert reason is not None and "_params_list" in reason, reason
 
 
 def test_switched_off_leaves_mindspore_to_it(monkeypatch):
-    monkeypatch.setenv("MS_LOADPATCH_TECHNIQUES_OFF", cellflags.NAME)
-    assert cellflags.lookups() == (hasattr, setattr)
+    monkeypatch.setenv("MS_LOADPATCH_TECHNIQUES_OFF", cellpasses.NAME)
+    assert cellpasses.lookups() == (hasattr, setattr)
     rows = {r["name"]: r for r in ms_loadpatch.status()["techniques"]}
-    assert rows[cellflags.NAME]["state"] == "off"
+    assert rows[cellpasses.NAME]["state"] == "off"
 
 
 class _CustomTieQwen2(mt.Qwen2ForCausalLM):
@@ -125,7 +125,7 @@ class _CustomTieQwen2(mt.Qwen2ForCausalLM):
         self.__dict__.setdefault("_ties", []).append(len(self.__dict__.get("_ties", [])))
 
 
-@pytest.mark.parametrize("off", [False, True], ids=["cell-flags", "cell-flags-off"])
+@pytest.mark.parametrize("off", [False, True], ids=["cell-passes", "cell-passes-off"])
 def test_loads_match_unpatched_object_state(tmp_path, monkeypatch, off):
     """A whole load with the fast passes (and with them switched off): the
     same cells' state as unpatched mindone, the model's own `_tie_weights`
@@ -138,10 +138,10 @@ def test_loads_match_unpatched_object_state(tmp_path, monkeypatch, off):
         ms.set_seed(0)
         _CustomTieQwen2(config).save_pretrained(str(tmp_path))
     if off:
-        monkeypatch.setenv("MS_LOADPATCH_TECHNIQUES_OFF", cellflags.NAME)
+        monkeypatch.setenv("MS_LOADPATCH_TECHNIQUES_OFF", cellpasses.NAME)
     calls = []
-    fast_set_train = cellflags.set_train
-    monkeypatch.setattr(cellflags, "set_train", lambda root, mode: (calls.append(mode), fast_set_train(root, mode)))
+    fast_set_train = cellpasses.set_train
+    monkeypatch.setattr(cellpasses, "set_train", lambda root, mode: (calls.append(mode), fast_set_train(root, mode)))
     with ms_loadpatch.disabled():
         ref = _CustomTieQwen2.from_pretrained(str(tmp_path))
     acc = _CustomTieQwen2.from_pretrained(str(tmp_path))
