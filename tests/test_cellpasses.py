@@ -118,6 +118,31 @@ def test_switched_off_leaves_mindspore_to_it(monkeypatch):
     assert rows[cellpasses.NAME]["state"] == "off"
 
 
+def test_probe_runs_before_the_build_not_inside_its_window(tmp_path, monkeypatch):
+    """Its probe trees built inside a load's construction window would be made
+    by the window's techniques and counted in the build's report: a load
+    probes before its build, and a window never starts the probe."""
+    import transformers as hf
+
+    from ms_loadpatch.strategy.building import window
+
+    with cpu_kernel_fallbacks():
+        ms.set_seed(0)
+        mt.Qwen2ForCausalLM(hf.Qwen2Config(vocab_size=128, hidden_size=32, num_hidden_layers=2,
+                                           num_attention_heads=4, num_key_value_heads=2,
+                                           intermediate_size=64)).save_pretrained(str(tmp_path))
+    depths = []
+    real_probe = cellpasses._probe
+    monkeypatch.setattr(cellpasses, "_probe", lambda: (depths.append(window.depth), real_probe())[1])
+    monkeypatch.setattr(cellpasses, "_verdict", [])
+    monkeypatch.setenv(window.START_ENV_VAR, "0")
+    with window.open_window(list):
+        assert cellpasses.probe() is not None and depths == []  # not inside a window
+    mt.Qwen2ForCausalLM.from_pretrained(str(tmp_path))
+    assert depths == [0] and cellpasses.probe() is None
+    assert not any(name.startswith("mindspore.") for name in ms_loadpatch.status()["last_build"]["not_copied"])
+
+
 class _CustomTieQwen2(mt.Qwen2ForCausalLM):
     """A model with its own `_tie_weights` (tie_weights calls it on every cell that has one)."""
 

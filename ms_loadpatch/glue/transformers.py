@@ -55,6 +55,7 @@ def from_pretrained(wrapped, instance, args, kwargs):
 def _accelerated_from_pretrained(wrapped, instance, args, kwargs):
     report = context.LoadReport(instance.__name__, "transformers")
     report.technique = "lazy construction, set_data from owned read buffer, set_dtype cast"
+    cellpasses.active()  # its probe, once per process, before the build's window opens
     try:
         # mindone's own precedence: `dtype`, then the deprecated `mindspore_dtype`
         requested = kwargs.get("dtype") if kwargs.get("dtype") is not None else kwargs.get("mindspore_dtype")

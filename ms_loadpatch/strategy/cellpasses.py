@@ -163,10 +163,16 @@ def set_train(root, mode: bool) -> None:
 
 
 def probe() -> str | None:
-    """None when this module's passes match mindspore's on the installed version (run once).
-    Asked again from inside the probe (a patched method it calls): not yet, so mindspore's path."""
+    """None when this module's passes match mindspore's on the installed version (run once,
+    outside construction windows: a load asks before its build). Asked from
+    inside the probe (a patched method it calls) or a window before it ran:
+    not yet, so mindspore's path."""
     if getattr(_probing, "active", False):
         return "the probe is running"
+    from .building import window
+
+    if window.depth and not _verdict:  # its cells would be built by the window's techniques, and counted
+        return "not probed yet: a construction window is open"
     with _lock:
         if not _verdict:
             _probing.active = True
