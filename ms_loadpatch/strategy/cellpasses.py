@@ -36,7 +36,7 @@ DESCRIPTION = ("the per-cell passes after a transformers build (the init flag, t
 GETATTR_DICTS = ("_params", "_buffers", "_cells", "_params_list")
 # Where nn.Cell.__setattr__ (through _set_attr_for_object) treats a plain value's name specially.
 SETATTR_DICTS = ("_params", "_cells", "_buffers")
-# The names this module reads or writes on cells: a class defining one takes mindspore's path.
+# The names the passes read or write on cells (a class defining the one asked about takes mindspore's path).
 NAMES = ("_func_graph_flags", "_is_hf_initialized", "_tie_weights", "training")
 # nn.Cell methods each pass reproduces: a class overriding one takes mindspore's path for it.
 LOOKUP_METHODS = ("__getattr__", "__setattr__")
@@ -76,7 +76,7 @@ def active() -> bool:
     return not switched_off() and probe() is None
 
 
-def _is_plain(cls, methods=LOOKUP_METHODS, names=NAMES) -> bool:
+def _is_plain(cls, methods, names) -> bool:
     """True when instances of `cls` look names up as nn.Cell does, use its
     own `methods`, and the class defines none of `names`."""
     key = (cls, methods, names)
@@ -93,8 +93,8 @@ def _is_plain(cls, methods=LOOKUP_METHODS, names=NAMES) -> bool:
 
 
 def has_attribute(cell, name: str) -> bool:
-    """hasattr(cell, name) for a name in NAMES, without raising on a plain cell that lacks it."""
-    if not _is_plain(type(cell)):
+    """hasattr(cell, name), without raising on a plain cell that lacks it."""
+    if not _is_plain(type(cell), LOOKUP_METHODS, (name,)):
         return hasattr(cell, name)
     instance_dict = cell.__dict__
     if name in instance_dict:
@@ -107,10 +107,10 @@ def has_attribute(cell, name: str) -> bool:
 
 
 def set_plain(cell, name: str, value) -> None:
-    """setattr(cell, name, value) for a name in NAMES and a plain value
-    (bool, int, str, dict): into the instance `__dict__`, where
-    nn.Cell.__setattr__ would end in object.__setattr__."""
-    if not _is_plain(type(cell)) or type(value) not in _PLAIN_VALUES:
+    """setattr(cell, name, value) for a plain value (bool, int, str, dict):
+    into the instance `__dict__`, where nn.Cell.__setattr__ would end in
+    object.__setattr__."""
+    if not _is_plain(type(cell), LOOKUP_METHODS, (name,)) or type(value) not in _PLAIN_VALUES:
         setattr(cell, name, value)
         return
     instance_dict = cell.__dict__
