@@ -251,31 +251,44 @@ def test_from_config_uses_fast_cast(checkpoints):
     assert not any(p.has_init for p in model.get_parameters())
 
 
-def test_one_state_dict_walk_per_load(checkpoints, monkeypatch):
-    """mindone's missing-key check and the key conversion share one
-    model.state_dict() walk; the cells are left as an unpatched load leaves
-    them (mindspore makes its hook dicts on first read)."""
+def _walks_of_both_loads(checkpoints, monkeypatch, method, counts):
+    """Patch nn.Cell.`method` to record the class of each call `counts(args,
+    kwargs, caller)` accepts; load a sharded Qwen2 unpatched, then patched.
+    Returns (shards, unpatched walks, patched walks, (ref, ref_info), (acc, acc_info))."""
+    import sys
+
     walks = []
-    state_dict = ms.nn.Cell.state_dict
+    original = getattr(ms.nn.Cell, method)
 
     def counting(self, *args, **kwargs):
-        if not args and kwargs.get("destination") is None:  # not the recursion into child cells
+        if counts(args, kwargs, sys._getframe(1).f_code.co_name):
             walks.append(type(self).__name__)
-        return state_dict(self, *args, **kwargs)
+        return original(self, *args, **kwargs)
 
-    monkeypatch.setattr(ms.nn.Cell, "state_dict", counting)
+    monkeypatch.setattr(ms.nn.Cell, method, counting)
     path = checkpoints["qwen2"]["fp32-sharded"]
     shards = len([f for f in os.listdir(path) if f.endswith(".safetensors")])
     assert shards > 1
     with ms_loadpatch.disabled():
-        ref, ref_info = _load(mt.Qwen2ForCausalLM, path)
-    assert walks == ["Qwen2ForCausalLM"] * (1 + shards)  # the key check, then one per shard
+        unpatched = _load(mt.Qwen2ForCausalLM, path)
+    unpatched_walks = list(walks)
     walks.clear()
-    acc, acc_info = _load(mt.Qwen2ForCausalLM, path)
+    patched = _load(mt.Qwen2ForCausalLM, path)
     assert last_report().tensors_assigned > 0
-    assert walks == ["Qwen2ForCausalLM"]
-    assert acc_info == ref_info
-    assert_same_model(ref, acc)
+    assert patched[1] == unpatched[1]
+    assert_same_model(unpatched[0], patched[0])
+    return shards, unpatched_walks, walks, unpatched, patched
+
+
+def test_one_state_dict_walk_per_load(checkpoints, monkeypatch):
+    """mindone's missing-key check and the key conversion share one
+    model.state_dict() walk; the cells are left as an unpatched load leaves
+    them (mindspore makes its hook dicts on first read)."""
+    # not the recursion into child cells
+    shards, unpatched, patched, (ref, _), (acc, _) = _walks_of_both_loads(
+        checkpoints, monkeypatch, "state_dict", lambda args, kwargs, _: not args and kwargs.get("destination") is None)
+    assert unpatched == ["Qwen2ForCausalLM"] * (1 + shards)  # the key check, then one per shard
+    assert patched == ["Qwen2ForCausalLM"]
     skip = (building.CellInitTemplate.PER_INSTANCE_TIME, "init_tensor")  # per instance; never drawn lazily (README)
     assert state.model_state(acc, skip) == state.model_state(ref, skip)
 
@@ -283,28 +296,10 @@ def test_one_state_dict_walk_per_load(checkpoints, monkeypatch):
 def test_one_pt2ms_walk_per_load(checkpoints, monkeypatch):
     """mindone's _get_pt2ms_mappings walks the model for _load_pretrained_model
     and again per shard's key conversion; an accelerated load walks once."""
-    import sys
-
-    walks = []
-    cells_and_names = ms.nn.Cell.cells_and_names
-
-    def counting(self, *args, **kwargs):
-        if sys._getframe(1).f_code.co_name == "_get_pt2ms_mappings":
-            walks.append(type(self).__name__)
-        return cells_and_names(self, *args, **kwargs)
-
-    monkeypatch.setattr(ms.nn.Cell, "cells_and_names", counting)
-    path = checkpoints["qwen2"]["fp32-sharded"]
-    shards = len([f for f in os.listdir(path) if f.endswith(".safetensors")])
-    with ms_loadpatch.disabled():
-        ref, ref_info = _load(mt.Qwen2ForCausalLM, path)
-    assert walks == ["Qwen2ForCausalLM"] * (1 + shards)
-    walks.clear()
-    acc, acc_info = _load(mt.Qwen2ForCausalLM, path)
-    assert last_report().tensors_assigned > 0
-    assert walks == ["Qwen2ForCausalLM"]
-    assert acc_info == ref_info
-    assert_same_model(ref, acc)
+    shards, unpatched, patched, _, _ = _walks_of_both_loads(
+        checkpoints, monkeypatch, "cells_and_names", lambda args, kwargs, caller: caller == "_get_pt2ms_mappings")
+    assert unpatched == ["Qwen2ForCausalLM"] * (1 + shards)
+    assert patched == ["Qwen2ForCausalLM"]
 
 
 class _LateCellQwen2(mt.Qwen2ForCausalLM):
