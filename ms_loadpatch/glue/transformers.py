@@ -253,13 +253,10 @@ def convert_state_dict(wrapped, instance, args, kwargs):
     if not state_dict_pt:
         return state_dict_pt
     with ctx.report.phase("convert-keys"):
-        conversions = ctx.state.key_conversion
-        if id(model) not in conversions:
-            model_keys = ctx.state.model_keys.get(id(model))  # from the key check's walk
-            if model_keys is None:
-                model_keys = set(model.state_dict().keys())
-            conversions[id(model)] = (_modeling_utils()._get_pt2ms_mappings(model), model_keys)
-        mappings, model_keys = conversions[id(model)]
+        mappings = _modeling_utils()._get_pt2ms_mappings(model)  # walked once per model (pt2ms_mappings)
+        model_keys = ctx.state.model_keys.get(id(model))  # from the key check's walk
+        if model_keys is None:
+            model_keys = ctx.state.model_keys[id(model)] = set(model.state_dict().keys())
         identity = (None, None)
         length = len(prefix) + 1
         converted = {}

@@ -172,7 +172,6 @@ class LoadState:
     load_done: bool = False  # mindone's loading path ran to its end
     # transformers: per model, id(model) -> ...
     model_keys: dict[int, set] = dataclasses.field(default_factory=dict)  # model.state_dict()'s keys
-    key_conversion: dict[int, tuple] = dataclasses.field(default_factory=dict)  # (pt2ms mappings, model keys)
     pt2ms_mappings: dict[int, dict] = dataclasses.field(default_factory=dict)  # mindone's _get_pt2ms_mappings(model)
     assign_index: dict[int, dict] = dataclasses.field(default_factory=dict)  # construct.state_index(model)
     # diffusers
