@@ -166,6 +166,8 @@ HOST_FORMS = [
     ("mint.zeros", ((2, 2),), {"dtype": ms.float16}), ("mint.zeros", (2,), {"dtype": ms.int64}), ("mint.zeros", (0,), {}),
     ("mint.empty", (2, 3), {}), ("mint.empty", ((3,),), {"dtype": ms.float16}),
     ("mint.empty", (4,), {"dtype": None, "device": None}), ("mint.empty", (64, 64, 64), {}),
+    # above HostFactories.MAX_ELEMENTS: an empty array wrapped without a copy costs nothing at any size
+    ("mint.empty", (64, 64, 65), {}),
     ("ops.ones", (4,), {}), ("ops.ones", ((2, 3), ms.float16), {}), ("ops.zeros", ([2],), {"dtype": ms.int32}),
 ]
 # forms left to mindspore: not an int size, a device, a dtype without a numpy counterpart
@@ -174,8 +176,9 @@ MINDSPORE_FORMS = [
     ("mint.empty", (2,), {"device": "CPU"}), ("mint.empty", (2,), {"pin_memory": False}),
     ("mint.ones", (2,), {"dtype": ms.complex64}), ("mint.ones", (2,), {"dtype": ms.uint16}),
     ("ops.ones", (ms.Tensor([2, 3]),), {}),
-    # above HostFactories.MAX_ELEMENTS (a fused expert weight): mindspore's empty does not touch its memory
-    ("mint.empty", (64, 64, 65), {}), ("mint.ones", ((513, 512),), {}), ("ops.zeros", ((1 << 18) + 1,), {}),
+    # filled, or converted on the host (bf16), above HostFactories.MAX_ELEMENTS: mindspore's op costs less
+    ("mint.ones", ((513, 512),), {}), ("ops.zeros", ((1 << 18) + 1,), {}),
+    ("mint.empty", ((64, 64, 65),), {"dtype": ms.bfloat16}),
 ]
 
 
@@ -199,6 +202,50 @@ def test_host_factories_make_what_mindspore_makes():
         if function != "mint.empty":
             assert got.asnumpy().tobytes() == want.asnumpy().tobytes(), (function, args, kwargs)
     assert params[0].asnumpy().tolist() == [1.0, 1.0, 1.0] and params[1].shape == (2, 2)
+
+
+def test_host_factories_wrap_their_arrays_without_a_copy(monkeypatch):
+    """On this mindspore the host tensor is the numpy array's own memory
+    (Tensor.from_numpy): a write to the array shows in the tensor."""
+    technique = _host_factories()
+    technique.prepare()
+    assert technique.wrap_array is not None
+    made_arrays = []
+
+    def ones(shape, dtype):
+        made_arrays.append(np.ones(shape, dtype))
+        return made_arrays[-1]
+
+    monkeypatch.setitem(technique.fills, "ones", ones)
+    made = technique._make("ones", (3,), ms.float32)
+    made_arrays[0][1] = 5.0
+    assert type(made) is ms.Tensor and made.asnumpy().tolist() == [1.0, 5.0, 1.0]
+    converted = technique._make("ones", (2,), ms.bfloat16)  # made in float32 and converted: a copy of its own
+    made_arrays[1][0] = 5.0
+    assert converted.dtype == ms.bfloat16 and converted.astype(ms.float32).asnumpy().tolist() == [1.0, 1.0]
+
+
+@pytest.mark.parametrize("from_numpy", [
+    lambda array: ms.Tensor(array.copy()),  # copies: nothing gained, arrays copied by Tensor(array) instead
+    lambda array: ms.Tensor(array).astype(ms.float16),  # another dtype
+    lambda array: array,  # not a Tensor
+    lambda array: ms.Tensor.from_numpy_gone,  # raises (AttributeError)
+    None,  # not callable
+])
+def test_host_factories_copy_arrays_when_from_numpy_does_not_wrap_them(monkeypatch, from_numpy):
+    technique = _host_factories()
+    monkeypatch.setattr(ms.Tensor, "from_numpy", None if from_numpy is None else staticmethod(from_numpy))
+    technique.prepare()
+    try:
+        assert technique.wrap_array is None
+        made = technique._host(("mint", "ones"), ms.mint.ones, (3,), {})
+        assert type(made) is ms.Tensor and made.asnumpy().tolist() == [1.0, 1.0, 1.0]
+        # a copied empty array above the size cap is left to mindspore's op
+        assert technique._host(("mint", "empty"), ms.mint.empty, (64, 64, 65), {}) is None
+    finally:
+        monkeypatch.undo()
+        technique.prepare()
+    assert technique.wrap_array is not None
 
 
 def test_host_factories_leave_to_mindspore_what_it_does_otherwise(monkeypatch):

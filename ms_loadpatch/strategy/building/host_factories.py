@@ -17,12 +17,15 @@ class HostFactories(Technique):
     a hand-off between threads of 0.7-4 ms per tensor on a busy host,
     whatever its size. In the building thread the fast path makes the same
     tensor from a numpy array: same shape, dtype and values (`empty`'s are
-    undefined either way). A form it does not know (a device, pinned memory,
-    a dtype without a numpy counterpart, sizes that are not ints) takes
-    mindspore's own function. So does a function and dtype whose first use in
-    the process, checked against mindspore's own call, raised or differed
-    (mindspore 2.7's `mint.empty` needs a device on the CPU wheel: its error
-    stays the user's). Tensors above MAX_ELEMENTS take mindspore's function."""
+    undefined either way). The array is wrapped, not copied, when
+    `Tensor.from_numpy` does that on this mindspore (`_array_wrapper`): the
+    array is ours alone, and an `empty` one is never touched. A form it does
+    not know (a device, pinned memory, a dtype without a numpy counterpart,
+    sizes that are not ints) takes mindspore's own function. So does a
+    function and dtype whose first use in the process, checked against
+    mindspore's own call, raised or differed (mindspore 2.7's `mint.empty`
+    needs a device on the CPU wheel: its error stays the user's). Filled
+    tensors above MAX_ELEMENTS take mindspore's function."""
 
     name = "host-factories"
     description = ("mint.ones / zeros / empty and ops.ones / zeros while a model is built: made from host memory, "
@@ -30,11 +33,13 @@ class HostFactories(Technique):
     # Installed from a build's first cell (not after window.DEFAULT_START
     # cells): it saves milliseconds per tensor and its own probe model is tiny.
     engages_early = True
-    # Larger tensors take mindspore's own op: its `empty` allocates without
-    # touching the memory (~0.7 ms at any size) and its fill costs about what
-    # numpy's does, while a host tensor is copied into mindspore's storage
-    # (16M floats: 37-47 ms and 64 MB of RSS against 0.7 / 26 ms). A model's
-    # norms and biases are far below this; fused expert weights can be above.
+    # Larger `ones` / `zeros` take mindspore's own op: its fill reuses its
+    # pool and beats numpy's into fresh pages (16M floats: 40 against 134 ms
+    # on this VM). A larger `empty` is served from the host when its array is
+    # wrapped without a copy (16M floats: 0.2 ms, nothing touched, against
+    # mindspore's 3.3-3.8 ms); a copied one (16M floats: 37-47 ms and 64 MB of
+    # RSS) is not. A model's norms and biases are far below this; fused
+    # expert weights (GraniteMoE, JetMoE) can be above.
     MAX_ELEMENTS = 1 << 18
     # (module, function): ops' take the dtype as a second positional argument too
     FUNCTIONS = (("mint", "ones"), ("mint", "zeros"), ("mint", "empty"), ("ops", "ones"), ("ops", "zeros"))
@@ -45,6 +50,7 @@ class HostFactories(Technique):
         self.wrappers: dict = {}
         self.made = self.made_before = 0  # tensors made on the host: in all, before the last install
         self.checked: dict = {}  # (module, name, dtype) -> whether mindspore's own call gave the same tensor
+        self.wrap_array = None  # Tensor.from_numpy when it wraps an array without a copy (prepare)
 
     def prepare(self):
         import numpy as np
@@ -70,6 +76,7 @@ class HostFactories(Technique):
         self.modules, self.originals, self.numpy_of = modules, originals, numpy_of
         self.fills = {"ones": np.ones, "zeros": np.zeros, "empty": np.empty}
         self.tensor = ms.Tensor
+        self.wrap_array = self._array_wrapper(ms, np)
         self.default_dtype = ms.float32  # mint's documented default when dtype is None; the probe checks it
 
     @staticmethod
@@ -89,10 +96,39 @@ class HostFactories(Technique):
             return None
         return tuple(size)
 
+    @staticmethod
+    def _array_wrapper(ms, np):
+        """`Tensor.from_numpy` when, on this mindspore, it gives a `Tensor` of
+        the array's shape and dtype over the array's own memory (a write to the
+        array shows in the tensor); None otherwise (arrays are then copied by
+        `Tensor(array)`). Whether its tensors equal mindspore's own is checked
+        per function and dtype (`_same_as_mindspore`) and by the probe."""
+        from_numpy = getattr(ms.Tensor, "from_numpy", None)
+        if not callable(from_numpy):
+            return None
+        try:
+            array = np.zeros(3, np.float32)
+            wrapped = from_numpy(array)
+            array[1] = 2.0
+            shares = wrapped.asnumpy().tolist() == [0.0, 2.0, 0.0]
+            if type(wrapped) is ms.Tensor and wrapped.shape == (3,) and wrapped.dtype == ms.float32 and shares:
+                return from_numpy
+        except Exception:  # noqa: BLE001 - any failure: arrays are copied instead
+            pass
+        return None
+
     def _make(self, name, shape, dtype):
         np_type, convert_to = self.numpy_of[dtype]
         array = self.fills[name](shape, np_type)
-        return self.tensor(array) if convert_to is None else self.tensor(array, dtype=convert_to)
+        if convert_to is not None:
+            return self.tensor(array, dtype=convert_to)
+        return self.tensor(array) if self.wrap_array is None else self.wrap_array(array)
+
+    def _too_large(self, name, shape, dtype) -> bool:
+        """Left to mindspore's op for its size (MAX_ELEMENTS)."""
+        if math.prod(shape) <= self.MAX_ELEMENTS:
+            return False
+        return not (name == "empty" and self.wrap_array is not None and self.numpy_of[dtype][1] is None)
 
     def _same_as_mindspore(self, key, original, dtype) -> bool:
         """Once per process and (function, dtype): mindspore's own call and the
@@ -121,11 +157,13 @@ class HostFactories(Technique):
         if kwargs or not args:
             return None
         shape = self._shape(args, varargs=name == "empty")
-        if shape is None or math.prod(shape) > self.MAX_ELEMENTS:
+        if shape is None:
             return None
         if dtype is None:
             dtype = self.default_dtype
-        if dtype not in self.numpy_of or not self._same_as_mindspore(key, original, dtype):
+        if dtype not in self.numpy_of or self._too_large(name, shape, dtype):
+            return None
+        if not self._same_as_mindspore(key, original, dtype):
             return None
         self.made += 1
         return self._make(name, shape, dtype)
