@@ -77,6 +77,7 @@ class HostFactories(Technique):
         self.fills = {"ones": np.ones, "zeros": np.zeros, "empty": np.empty}
         self.tensor = ms.Tensor
         self.wrap_array = self._array_wrapper(ms, np)
+        self.checked = {}  # verdicts on what `_make` made before this prepare do not hold for what it makes now
         self.default_dtype = ms.float32  # mint's documented default when dtype is None; the probe checks it
 
     @staticmethod
