@@ -187,6 +187,7 @@ def _factory(name):
     return getattr(getattr(ms, module), function)
 
 
+@pytest.mark.matrix
 def test_host_factories_make_what_mindspore_makes():
     technique = _host_factories()
     expected = [_factory(f)(*a, **k) for f, a, k in HOST_FORMS + MINDSPORE_FORMS]
@@ -204,6 +205,7 @@ def test_host_factories_make_what_mindspore_makes():
     assert params[0].asnumpy().tolist() == [1.0, 1.0, 1.0] and params[1].shape == (2, 2)
 
 
+@pytest.mark.matrix
 def test_host_factories_wrap_their_arrays_without_a_copy(monkeypatch):
     """On this mindspore the host tensor is the numpy array's own memory
     (Tensor.from_numpy): a write to the array shows in the tensor."""
