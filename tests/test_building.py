@@ -187,22 +187,38 @@ def _factory(name):
     return getattr(getattr(ms, module), function)
 
 
+def _call_or_error(name, args, kwargs):
+    try:
+        return _factory(name)(*args, **kwargs)
+    except Exception as exc:  # noqa: BLE001 - compared with what the other side raised
+        return exc
+
+
 @pytest.mark.matrix
 def test_host_factories_make_what_mindspore_makes():
+    """Every form gives what mindspore's own call gives; a form mindspore
+    itself fails on here (mindspore 2.7's mint.empty on the CPU wheel) fails
+    the same way and is not served from the host."""
     technique = _host_factories()
-    expected = [_factory(f)(*a, **k) for f, a, k in HOST_FORMS + MINDSPORE_FORMS]
+    expected = [_call_or_error(f, a, k) for f, a, k in HOST_FORMS + MINDSPORE_FORMS]
+    failing = [f for (f, _, _), want in zip(HOST_FORMS, expected) if isinstance(want, Exception)]
+    assert set(failing) <= {"mint.empty"}, failing  # only mint.empty fails, and only on some versions
+    served = len(HOST_FORMS) - len(failing)
     with CONSTRUCTION_LOCK, lazy_construction(fast=True):
         before = technique.made
-        host = [_factory(f)(*a, **k) for f, a, k in HOST_FORMS]
-        assert technique.made - before == len(HOST_FORMS)
-        left = [_factory(f)(*a, **k) for f, a, k in MINDSPORE_FORMS]
-        assert technique.made - before == len(HOST_FORMS)  # none of these was made on the host
-        params = [ms.Parameter(ms.mint.ones(3)), ms.Parameter(ms.mint.empty(2, 2))]
+        host = [_call_or_error(f, a, k) for f, a, k in HOST_FORMS]
+        assert technique.made - before == served
+        left = [_call_or_error(f, a, k) for f, a, k in MINDSPORE_FORMS]
+        assert technique.made - before == served  # none of these was made on the host
+        params = [ms.Parameter(ms.mint.ones(3))] + ([] if failing else [ms.Parameter(ms.mint.empty(2, 2))])
     for (function, args, kwargs), want, got in zip(HOST_FORMS + MINDSPORE_FORMS, expected, host + left):
+        if isinstance(want, Exception):
+            assert type(got) is type(want) and str(got).splitlines()[0] == str(want).splitlines()[0], function
+            continue
         assert type(got) is type(want) and got.shape == want.shape and got.dtype == want.dtype, (function, args, kwargs)
         if function != "mint.empty":
             assert got.asnumpy().tobytes() == want.asnumpy().tobytes(), (function, args, kwargs)
-    assert params[0].asnumpy().tolist() == [1.0, 1.0, 1.0] and params[1].shape == (2, 2)
+    assert params[0].asnumpy().tolist() == [1.0, 1.0, 1.0] and all(p.shape == (2, 2) for p in params[1:])
 
 
 @pytest.mark.matrix
