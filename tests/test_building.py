@@ -480,8 +480,28 @@ class _SharedOwnCopies(building.SiblingClone):
         return ("recipe" if recipe is not None else "never", recipe, snapshot)
 
 
+class _SharedTensors(building.SiblingClone):
+    """Copies that share one tensor per recipe entry instead of each making its own."""
+
+    def _make(self, item, made):
+        if item[0] == "tensor":
+            made[item[1]] = vars(self).setdefault("tensors", {}).setdefault(id(item), super()._make(item, made))
+            return made[item[1]]
+        return super()._make(item, made)
+
+
+class _ZeroTensors(_SharedOwnCopies):
+    """Copies whose tensors have the right shape and dtype and the wrong values (no check of recipes)."""
+
+    def _make(self, item, made):
+        made_item = super()._make(item, made)
+        if item[0] == "tensor":
+            made[item[1]] = made_item = made_item * 0
+        return made_item
+
+
 @pytest.mark.parametrize("broken", [_WrongPrefixTemplate, _UnprefixedWalk, _SharedContainers, _SharedParameters,
-                                    _CopiedReferences, _SharedOwnCopies])
+                                    _CopiedReferences, _SharedOwnCopies, _SharedTensors, _ZeroTensors])
 def test_probe_catches_a_wrong_fast_path(broken):
     reason = probe.run_probe(broken())
     assert reason is not None and ("differs" in reason or "registries" in reason), reason
@@ -702,6 +722,68 @@ def test_every_moe_family_copies_its_experts(arch, monkeypatch):
     for (name, p), (_, f) in zip(plain.cells_and_names(), fast.cells_and_names()):
         if "config" in vars(p):
             assert (vars(p)["config"] is plain.config) == (vars(f)["config"] is fast.config), name
+
+
+class _Rotary(nn.Cell):
+    """A rotary table computed by ops in __init__ and held twice, as mindone's per-attention rotary embeddings do."""
+
+    def __init__(self, dim, bf16=False):
+        super().__init__()
+        self.inv_freq = (1.0 / (10000 ** (ms.ops.ones(dim // 2).cumsum(0) / dim))).astype(
+            ms.bfloat16 if bf16 else ms.float32)
+        self.original_inv_freq = self.inv_freq
+        self.register_buffer("positions", ms.Tensor(np.arange(4, dtype=np.int64)) * 2, persistent=False)
+        self.proj = ms.mint.nn.Linear(dim, dim)
+
+
+_Rotary.__module__ = "mindone.ms_loadpatch_test_cells"  # stands for a library cell, as _Counted below
+
+
+def test_cells_holding_computed_tensors_are_copied_with_their_own():
+    technique = _sibling_clone()
+    ms.set_seed(1)
+    with techniques_off("sibling-clone"), lazy_construction(fast=True):
+        plain = nn.CellList([_Rotary(8) for _ in range(6)])
+    before = technique.cloned
+    with lazy_construction(fast=True):
+        fast = nn.CellList([_Rotary(8) for _ in range(6)])
+    # the first build hooks the class, the second is noted, the next two teach the recipe
+    assert technique.cloned - before == 2
+    assert_same_state(plain, fast)  # values, dtype, shape, device; the second reference is the same tensor
+    copies = list(fast)[3:]  # the last real build and the two copies
+    assert all(c.original_inv_freq is c.inv_freq for c in copies)
+    assert len({id(c.inv_freq) for c in fast}) == 6 and len({id(c._buffers["positions"]) for c in fast}) == 6
+    copies[0].inv_freq[0] = 5.0  # each copy's memory is its own
+    assert [c.inv_freq.asnumpy()[0] for c in copies] == [5.0] + [plain[0].inv_freq.asnumpy()[0]] * 2
+
+
+def test_bf16_tensors_leave_the_build_to_init():
+    technique = _sibling_clone()
+    with lazy_construction(fast=True):
+        built = [_Rotary(8, bf16=True) for _ in range(6)]
+        assert technique.reasons[_Rotary] == "not copyable: a BFloat16 tensor"
+        assert technique.builds[_Rotary][1] == 0  # none copied (its Linear is, from the fourth build)
+    assert all(c.inv_freq.dtype == ms.bfloat16 for c in built)
+
+
+def test_jetmoe_rotary_tables_are_copied_and_same_objects(monkeypatch):
+    """JetMoE builds a rotary embedding in every attention layer: copies from the fourth layer on."""
+    monkeypatch.setattr(mt.modeling_utils, "_init_weights", False)
+
+    def config():
+        return hf.JetMoeConfig(vocab_size=128, hidden_size=32, num_key_value_heads=2, kv_channels=8,
+                               num_hidden_layers=6, intermediate_size=16, num_local_experts=4,
+                               num_experts_per_tok=2)
+
+    ms.set_seed(1)
+    with techniques_off("sibling-clone"), lazy_construction(fast=True):
+        plain = mt.JetMoeForCausalLM(config())
+    with lazy_construction(fast=True):
+        fast = mt.JetMoeForCausalLM(config())
+    build = registry.last_build()
+    assert not any(name.endswith("RotaryEmbedding") for name in build["not_copied"]), build
+    assert build["cells_copied"] >= 3
+    assert_same_state(plain, fast)
 
 
 def test_load_report_and_status_say_what_was_copied_and_why_not(checkpoints):

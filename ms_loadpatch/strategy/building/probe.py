@@ -26,7 +26,7 @@ def _probe_model():
     parameters, a tied parameter, a cell without auto_prefix, a Parameter
     from a tensor, a buffer, a cell with bprop, a child replaced later, cells
     built again with the same arguments that keep the config they were given
-    or a copy of their own."""
+    or a copy of their own, and hold a tensor computed by ops."""
     import mindspore as ms
     from mindspore import Parameter, mint, nn, ops
     from mindspore.common.initializer import initializer
@@ -74,7 +74,7 @@ def _probe_model():
             self.tail = _LateParam()
             settings = Settings()
             # a class's first build is its own, its second is noted, the next two teach the recipe, then copies
-            self.experts = nn.CellList([Expert(settings) for _ in range(5)] + [Expert(settings, scale=1)])
+            self.experts = nn.CellList([Expert(settings) for _ in range(6)] + [Expert(settings, scale=1)])
             self.own_copies = nn.CellList([OwnCopy(settings) for _ in range(5)])
 
         def construct(self, x):
@@ -95,6 +95,10 @@ def _probe_model():
             self.act = nn.GELU() if settings.act == "gelu" else nn.ReLU()
             self.sizes = list(settings.sizes)
             self.pair = nn.CellList([mint.nn.Linear(2, 2), mint.nn.Linear(2, 2)])
+            # a tensor computed by ops (a rotary table), held twice, and a buffer
+            self.table = ops.ones(3) / float(settings.width * scale)
+            self.same_table = self.table
+            self.register_buffer("steps", ms.Tensor([1, 2], ms.int32) * scale)
 
         def construct(self, x):
             return self.down(self.act(self.up(x)))

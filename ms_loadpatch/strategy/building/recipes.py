@@ -84,7 +84,7 @@ class RecipeWriter:
         if isinstance(value, t.parameter_class):
             return self._parameter(value)
         if isinstance(value, t.tensor_class):
-            raise Unclonable("a tensor")
+            return self._tensor(value)
         if isinstance(value, t.primitive_class):
             return self._primitive(value)
         if kind in (dict, list, set, tuple) or kind.__name__ == "OrderedDict" and kind.__module__ == "collections":
@@ -133,6 +133,24 @@ class RecipeWriter:
                 if type(other) is not type(value) or other != value:
                     overrides.append((key, value))
         return ("param", slot, copy_initializer(init), shape, dtype, param.name, flags, tuple(overrides))
+
+    def _tensor(self, tensor):
+        """A tensor __init__ computed (a rotary table): its values, read once,
+        made again from host memory in each copy. Only plain tensors of a
+        numpy dtype: what a copy gives is compared with the real build
+        (values, dtype, shape, device) before it is used."""
+        if type(tensor) is not self.t.tensor_class or tensor.has_init:
+            raise Unclonable("a tensor")
+        try:
+            array = tensor.asnumpy()
+        except Exception as exc:  # noqa: BLE001 - its op failed (no kernel here): the build keeps its own error
+            raise Unclonable("a tensor that cannot be read") from exc
+        import numpy as np
+
+        if array.dtype.isbuiltin != 1 or np.dtype(array.dtype.str) != array.dtype:  # bf16: no numpy type
+            raise Unclonable(f"a {tensor.dtype} tensor")
+        slot = self._slot(tensor)
+        return ("tensor", slot, array.tobytes(), array.dtype.str, tuple(array.shape), tensor.dtype)
 
     def _primitive(self, prim):
         slot = self._slot(prim)

@@ -27,8 +27,10 @@ class SiblingClone(Technique):
     flags, primitives as mindspore copies them (`type(p)(**p.init_attrs)`),
     initializers and containers; it shares immutable values and what both
     builds shared (a module-level primitive; the config, or any other object
-    both builds refer to: identity where the real builds share). Tensors,
-    non-lazy parameters, closures, bound methods, an object the two builds
+    both builds refer to: identity where the real builds share). A tensor
+    `__init__` computed (a rotary table) is read into the recipe and made
+    from host memory in each copy, without the ops that computed it. bf16
+    tensors, tensors that cannot be read, non-lazy parameters, closures, bound methods, an object the two builds
     hold different copies of, arguments other than scalars and config-like
     objects, and classes outside mindspore / mindone leave the build to
     `__init__`. A config is matched by
@@ -54,6 +56,7 @@ class SiblingClone(Technique):
         self.count = window.DeferredInstanceCount()
 
     def prepare(self):
+        import numpy
         import mindspore as ms
         from mindspore import nn
         from mindspore.common import dtype as mstype
@@ -66,6 +69,7 @@ class SiblingClone(Technique):
         self.cell_class, self.parameter_class, self.tensor_class = nn.Cell, ms.Parameter, ms.Tensor
         self.primitive_class, self.initializer_class, self.initializer = Primitive, Initializer, initializer
         self.dtype_class = mstype.Type
+        self.numpy = numpy
 
     # installation: Cell.__init__ notices each class; its own __init__ is wrapped for the window
 
@@ -307,6 +311,11 @@ class SiblingClone(Technique):
                 setattr(param, attribute, value)
             made[slot] = param
             return param
+        if kind == "tensor":
+            _, slot, data, dtype, shape, _ = item
+            tensor = self.tensor_class(self.numpy.frombuffer(data, dtype).reshape(shape).copy())
+            made[slot] = tensor
+            return tensor
         if kind == "prim":
             _, slot, cls, init_attrs, instance_name, _ = item
             prim = cls(**init_attrs)

@@ -48,7 +48,8 @@ def comparable(value, ids: dict, depth=0):
     if isinstance(value, tensor_type):
         if value.has_init:
             return ("lazy-tensor", tuple(value.shape), str(value.dtype), comparable(value.init, ids, depth + 1))
-        return ("tensor", tuple(value.shape), str(value.dtype), value.asnumpy().tobytes())
+        return ("tensor", type(value).__qualname__, tuple(value.shape), str(value.dtype),
+                str(getattr(value, "device", None)), value.asnumpy().tobytes())
     if isinstance(value, primitive_type):
         return ("primitive", type(value).__qualname__, value.name, comparable(vars(value), ids, depth + 1))
     if isinstance(value, dict):
