@@ -766,24 +766,31 @@ def test_bf16_tensors_leave_the_build_to_init():
     assert all(c.inv_freq.dtype == ms.bfloat16 for c in built)
 
 
-def test_jetmoe_rotary_tables_are_copied_and_same_objects(monkeypatch):
-    """JetMoE builds a rotary embedding in every attention layer: copies from the fourth layer on."""
+ROTARY_PER_ATTENTION = {  # families that build a rotary embedding in every attention layer: copies from the fourth
+    "jetmoe": (mt.JetMoeForCausalLM, lambda: hf.JetMoeConfig(
+        vocab_size=128, hidden_size=32, num_key_value_heads=2, kv_channels=8, num_hidden_layers=6,
+        intermediate_size=16, num_local_experts=4, num_experts_per_tok=2)),
+    "dbrx": (mt.DbrxForCausalLM, lambda: hf.DbrxConfig(
+        vocab_size=128, d_model=32, n_heads=4, n_layers=6, attn_config={"kv_n_heads": 2},
+        ffn_config={"ffn_hidden_size": 16, "moe_num_experts": 4, "moe_top_k": 2})),
+}
+
+
+@pytest.mark.parametrize("arch", list(ROTARY_PER_ATTENTION))
+def test_rotary_tables_are_copied_and_same_objects(arch, monkeypatch):
+    cls, config = ROTARY_PER_ATTENTION[arch]
     monkeypatch.setattr(mt.modeling_utils, "_init_weights", False)
-
-    def config():
-        return hf.JetMoeConfig(vocab_size=128, hidden_size=32, num_key_value_heads=2, kv_channels=8,
-                               num_hidden_layers=6, intermediate_size=16, num_local_experts=4,
-                               num_experts_per_tok=2)
-
     ms.set_seed(1)
     with techniques_off("sibling-clone"), lazy_construction(fast=True):
-        plain = mt.JetMoeForCausalLM(config())
+        plain = cls(config())
     with lazy_construction(fast=True):
-        fast = mt.JetMoeForCausalLM(config())
+        fast = cls(config())
     build = registry.last_build()
     assert not any(name.endswith("RotaryEmbedding") for name in build["not_copied"]), build
-    assert build["cells_copied"] >= 3
+    assert build["cells_copied"] >= 2
     assert_same_state(plain, fast)
+    rotary = [cell for _, cell in fast.cells_and_names() if type(cell).__name__.endswith("RotaryEmbedding")]
+    assert len(rotary) == 6 and len({id(cell.inv_freq) for cell in rotary}) == 6
 
 
 def test_load_report_and_status_say_what_was_copied_and_why_not(checkpoints):

@@ -26,7 +26,8 @@ def _probe_model():
     parameters, a tied parameter, a cell without auto_prefix, a Parameter
     from a tensor, a buffer, a cell with bprop, a child replaced later, cells
     built again with the same arguments that keep the config they were given
-    or a copy of their own, and hold a tensor computed by ops."""
+    or a copy of their own, and hold a tensor computed in `__init__`."""
+    import numpy as np
     import mindspore as ms
     from mindspore import Parameter, mint, nn, ops
     from mindspore.common.initializer import initializer
@@ -95,10 +96,11 @@ def _probe_model():
             self.act = nn.GELU() if settings.act == "gelu" else nn.ReLU()
             self.sizes = list(settings.sizes)
             self.pair = nn.CellList([mint.nn.Linear(2, 2), mint.nn.Linear(2, 2)])
-            # a tensor computed by ops (a rotary table), held twice, and a buffer
-            self.table = ops.ones(3) / float(settings.width * scale)
+            # a tensor computed in __init__ (a rotary table), held twice, and a buffer; made on the
+            # host: ops here would keep mindspore's pipeline busy during every probe build
+            self.table = ms.Tensor(np.full(3, 1.0 / (settings.width * scale), np.float32))
             self.same_table = self.table
-            self.register_buffer("steps", ms.Tensor([1, 2], ms.int32) * scale)
+            self.register_buffer("steps", ms.Tensor(np.array([1, 2], np.int32) * scale))
 
         def construct(self, x):
             return self.down(self.act(self.up(x)))
