@@ -30,10 +30,10 @@ class SiblingClone(Technique):
     both builds refer to: identity where the real builds share). A tensor
     `__init__` computed (a rotary table) is read into the recipe and made
     from host memory in each copy, without the ops that computed it. bf16
-    tensors, tensors that cannot be read, non-lazy parameters, closures, bound methods, an object the two builds
-    hold different copies of, arguments other than scalars and config-like
-    objects, and classes outside mindspore / mindone leave the build to
-    `__init__`. A config is matched by
+    tensors, tensors that cannot be read, non-lazy parameters, closures,
+    bound methods, an object the two builds hold different copies of,
+    arguments other than scalars and config-like objects, and classes
+    outside mindspore / mindone leave the build to `__init__`. A config is matched by
     identity, by the identities of its attributes and by their values at
     each call (a config changed between builds starts the learning over)."""
 
