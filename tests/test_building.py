@@ -254,7 +254,6 @@ def test_host_factories_make_what_mindspore_makes():
             assert technique.checked[(*key, dtype)] is served, form
             # only mint.empty may be declined, and only where mindspore's own call fails
             assert served or (function == "mint.empty" and _mindspore_declines(key, dtype)), form
-            assert served or function == "mint.empty" or not isinstance(want, Exception), form
         if isinstance(want, Exception):
             assert type(got) is type(want) and str(got).splitlines()[0] == str(want).splitlines()[0], form
             continue
@@ -700,18 +699,23 @@ def _expert_classes(model):
     return {type(cell).__name__ for name, cell in model.cells_and_names() if re.search(r"\.experts\.\d+$", name)}
 
 
-@pytest.mark.parametrize("arch", MOE_FAMILIES)
-def test_every_moe_family_copies_its_experts(arch, monkeypatch):
-    cls, config = TF_ARCHS[arch]
+def _built_plain_and_fast(cls, config, monkeypatch):
+    """(plain build with sibling-clone off, its build report, fast build, its build report) of one config."""
     # the init pass is not construction (and runs kernels a lazy build has no values for)
     monkeypatch.setattr(mt.modeling_utils, "_init_weights", False)
     ms.set_seed(1)
     with techniques_off("sibling-clone"), lazy_construction(fast=True):
         plain = cls(config())
-    assert registry.last_build()["cells_copied"] == 0
+    plain_build = registry.last_build()
     with lazy_construction(fast=True):
         fast = cls(config())
-    build = registry.last_build()
+    return plain, plain_build, fast, registry.last_build()
+
+
+@pytest.mark.parametrize("arch", MOE_FAMILIES)
+def test_every_moe_family_copies_its_experts(arch, monkeypatch):
+    plain, plain_build, fast, build = _built_plain_and_fast(*TF_ARCHS[arch], monkeypatch)
+    assert plain_build["cells_copied"] == 0
     experts = _expert_classes(fast)
     assert experts and not any(name.rsplit(".", 1)[-1] in experts for name in build["not_copied"]), build
     assert build["cells_copied"] >= 2 * (8 - 3)  # 2 layers x 8 experts, all but the first three of a layer
@@ -776,14 +780,7 @@ ROTARY_PER_ATTENTION = {  # families that build a rotary embedding in every atte
 
 @pytest.mark.parametrize("arch", list(ROTARY_PER_ATTENTION))
 def test_rotary_tables_are_copied_and_same_objects(arch, monkeypatch):
-    cls, config = ROTARY_PER_ATTENTION[arch]
-    monkeypatch.setattr(mt.modeling_utils, "_init_weights", False)
-    ms.set_seed(1)
-    with techniques_off("sibling-clone"), lazy_construction(fast=True):
-        plain = cls(config())
-    with lazy_construction(fast=True):
-        fast = cls(config())
-    build = registry.last_build()
+    plain, _, fast, build = _built_plain_and_fast(*ROTARY_PER_ATTENTION[arch], monkeypatch)
     assert not any(name.endswith("RotaryEmbedding") for name in build["not_copied"]), build
     assert build["cells_copied"] >= 2
     assert_same_state(plain, fast)

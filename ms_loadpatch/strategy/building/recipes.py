@@ -145,9 +145,7 @@ class RecipeWriter:
             array = tensor.asnumpy()
         except Exception as exc:  # noqa: BLE001 - its op failed (no kernel here): the build keeps its own error
             raise Unclonable("a tensor that cannot be read") from exc
-        import numpy as np
-
-        if array.dtype.isbuiltin != 1 or np.dtype(array.dtype.str) != array.dtype:  # bf16: no numpy type
+        if array.dtype.isbuiltin != 1 or self.t.numpy.dtype(array.dtype.str) != array.dtype:  # bf16: no numpy type
             raise Unclonable(f"a {tensor.dtype} tensor")
         slot = self._slot(tensor)
         return ("tensor", slot, array.tobytes(), array.dtype.str, tuple(array.shape), tensor.dtype)
