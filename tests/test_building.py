@@ -65,6 +65,10 @@ TF_ARCHS = {
     "olmoe": (mt.OlmoeForCausalLM, lambda: hf.OlmoeConfig(
         vocab_size=128, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
         intermediate_size=16, num_experts=8, num_experts_per_tok=2)),
+    # experts fused into one Parameter over mint.empty (a fused family; its norms and experts are never lazy)
+    "granitemoe": (mt.GraniteMoeForCausalLM, lambda: hf.GraniteMoeConfig(
+        vocab_size=128, hidden_size=32, num_hidden_layers=6, num_attention_heads=4, num_key_value_heads=2,
+        intermediate_size=16, num_local_experts=4, num_experts_per_tok=2)),
     "t5": (mt.T5ForConditionalGeneration, lambda: hf.T5Config(
         vocab_size=128, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4)),
     "bert": (mt.BertModel, lambda: hf.BertConfig(
@@ -517,6 +521,23 @@ def test_probe_catches_a_wrong_fast_path(broken):
     assert not vars(nn.Cell)["__init__"].__module__.startswith("ms_loadpatch")  # restored after the probe
 
 
+def test_late_techniques_are_probed_with_the_active_early_ones():
+    host = next(t for t in building.TECHNIQUES if t.name == "host-factories")
+    assert building.probe_result(host) is None
+    late = [t for t in building.TECHNIQUES if not t.engages_early]
+    made = host.made
+    assert all(reason is None for reason in probe.run_probes(late, alongside=[host]).values())
+    assert host.made > made  # the probe model's factories were served in the probe build, as in a real build
+    assert building.leftovers() == []
+
+
+def test_techniques_that_differ_only_together_all_fail(monkeypatch):
+    monkeypatch.setattr(probe, "_compare", lambda techniques, alongside=(): "differs" if len(techniques) > 1 else None)
+    late = [t for t in building.TECHNIQUES if not t.engages_early]
+    results = probe.run_probes(late)
+    assert all(results[t.name] == "only together with the others: differs" for t in late), results
+
+
 def test_failed_probe_skips_and_load_stays_identical(checkpoints, monkeypatch):
     failing = {name: "simulated probe failure" for name in NAMES}
     monkeypatch.setattr(building, "_probe_results", failing)
@@ -814,6 +835,30 @@ def test_load_report_and_status_say_what_was_copied_and_why_not(checkpoints):
     build = ms_loadpatch.status()["last_build"]
     assert build == {"engaged_at": 0, "cells_copied": report.cells_copied, "not_copied": report.not_copied,
                      "host_tensors": report.host_tensors}
+
+
+class _Inner(nn.Cell):
+    def __init__(self, width):
+        super().__init__()
+        self.proj = ms.mint.nn.Linear(width, width)
+
+
+class _Outer(nn.Cell):
+    def __init__(self, width):
+        super().__init__()
+        self.inner = _Inner(width)
+
+
+_Inner.__module__ = _Outer.__module__ = "mindone.ms_loadpatch_test_cells"
+
+
+def test_the_report_says_a_class_was_copied_only_within_its_parents():
+    with lazy_construction(fast=True):
+        nn.CellList([_Outer(4) for _ in range(6)])
+    not_copied = registry.last_build()["not_copied"]
+    # _Outer's fifth and sixth builds are copies, its _Inner copied with them; _Inner alone never was
+    assert not_copied[f"{_Inner.__module__}._Inner"] == "copied only within the cells that hold it", not_copied
+    assert f"{_Outer.__module__}._Outer" not in not_copied
 
 
 def test_a_block_of_copied_experts_gets_no_recipe_of_its_own():

@@ -53,8 +53,17 @@ def probe_result(technique) -> str | None:
         raise RuntimeError("ms_loadpatch: fast-construction probes cannot run inside a construction window")
     with _probe_lock:
         if technique.name not in _probe_results:  # the early ones alone: a small build need not pay the others'
-            _probe_results.update(run_probes([t for t in TECHNIQUES if t.engages_early == technique.engages_early]))
+            _probe_group(early=True)
+            if not technique.engages_early:  # probed with the early ones a real build installs beside them
+                _probe_group(early=False, alongside=[t for t in TECHNIQUES if t.engages_early
+                                                     and not switch.is_off(t.name) and _probe_results[t.name] is None])
         return _probe_results[technique.name]
+
+
+def _probe_group(early: bool, alongside=()):
+    group = [t for t in TECHNIQUES if t.engages_early == early]
+    if any(t.name not in _probe_results for t in group):
+        _probe_results.update(run_probes(group, alongside))
 
 
 def switched_off() -> set[str]:

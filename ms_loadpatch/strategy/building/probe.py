@@ -163,16 +163,21 @@ def _compile_cache_entries(model):
 
 
 def _probe_output(model):
-    """The output of the probe model's first leaf once its lazy weights get fixed values."""
+    """The values of the Parameters made over tensors (the state leaves
+    values out), and the output of the probe model's first leaf once its
+    lazy weights get fixed values."""
     import numpy as np
     import mindspore as ms
 
+    values = [(name, str(getattr(param, "device", None)), param.asnumpy().tobytes())
+              for name, param in model.parameters_and_names() if not param.has_init]
     leaf = model.blocks[0]
     for _, param in leaf.parameters_and_names():
-        value = ms.Tensor(np.linspace(-1, 1, int(np.prod(param.shape)), dtype=np.float32).reshape(param.shape))
-        param.set_data(value.astype(param.dtype))
+        value = np.linspace(-1, 1, int(np.prod(param.shape)), dtype=np.float32).reshape(param.shape)
+        param.set_data(ms.Tensor(value, dtype=param.dtype))
     x = ms.Tensor(np.linspace(-1, 1, 8, dtype=np.float32).reshape(2, 4))
-    return leaf(x).asnumpy()
+    output = leaf(x).asnumpy()
+    return values, str(output.dtype), output.tobytes()
 
 
 _reference = None  # the plain probe model's (state, registry deltas, compile-cache entries, output): once per process
@@ -210,12 +215,14 @@ def _build_difference(reference, candidate) -> str | None:
     return None
 
 
-def _compare(techniques) -> str | None:
-    """None when the probe model built with `techniques` equals the plain one."""
+def _compare(techniques, alongside=()) -> str | None:
+    """None when the probe model built with `techniques` (and `alongside`:
+    techniques already probed that real builds install with them) equals
+    the plain one."""
     try:
         ref_state, ref_delta, ref_registered, ref_output = _plain_reference()
         tokens = [t.probe_started() for t in techniques]
-        candidate, cand_delta, cand_registered = _build_probe(techniques)
+        candidate, cand_delta, cand_registered = _build_probe((*techniques, *alongside))
         for technique, token in zip(techniques, tokens):
             reason = technique.probe_finished(token)
             if reason is not None:
@@ -224,8 +231,10 @@ def _compare(techniques) -> str | None:
                                    (cand_delta, cand_registered, model_state(candidate)))
         if reason is not None:
             return reason
-        output = _probe_output(candidate)
-        if output.dtype != ref_output.dtype or output.tobytes() != ref_output.tobytes():
+        values, *output = _probe_output(candidate)
+        if values != ref_output[0]:
+            return f"the probe model differs in its parameter values: {first_difference(ref_output[0], values)}"
+        if tuple(output) != ref_output[1:]:
             return "the probe model computes a different output"
     except Exception as exc:
         return f"the probe failed: {type(exc).__name__}: {exc}"
@@ -255,17 +264,19 @@ def _compare_own(technique) -> str | None:
     return None
 
 
-def run_probe(technique) -> str | None:
-    """None when the probe model built with `technique` alone equals the plain one."""
+def run_probe(technique, alongside=()) -> str | None:
+    """None when the probe model built with `technique` alone (and `alongside`) equals the plain one."""
     if technique.probe_model is not None:
         return _prepare(technique) or _compare_own(technique)
-    return _prepare(technique) or _compare([technique])
+    return _prepare(technique) or _compare([technique], alongside)
 
 
-def run_probes(techniques) -> dict[str, str | None]:
-    """Every technique's verdict: one probe build with all that prepare
-    (a technique with a probe model of its own: on that one, alone); only if
-    that differs, one per technique to find which."""
+def run_probes(techniques, alongside=()) -> dict[str, str | None]:
+    """Every technique's verdict: one probe build with all that prepare and
+    `alongside` (active techniques a real build installs with them; a
+    technique with a probe model of its own: on that one, alone); only if
+    that differs, one per technique to find which (all fail when each alone
+    passes: they differ only together)."""
     results, ready = {}, []
     for technique in techniques:
         reason = _prepare(technique)
@@ -274,7 +285,11 @@ def run_probes(techniques) -> dict[str, str | None]:
         elif reason is None:
             ready.append(technique)
         results[technique.name] = reason
-    if ready and _compare(ready) is not None:
+    together = _compare(ready, alongside) if ready else None
+    if together is not None:
         for technique in ready:
-            results[technique.name] = _compare([technique])
+            results[technique.name] = _compare([technique], alongside)
+        if all(results[technique.name] is None for technique in ready):
+            for technique in ready:
+                results[technique.name] = f"only together with the others: {together}"
     return results

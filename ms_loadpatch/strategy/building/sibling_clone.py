@@ -104,9 +104,9 @@ class SiblingClone(Technique):
                 else:
                     delattr(cls, "__init__")
         self.hooked.clear()
-        self.entries.clear()
         if window.recording:
             window.notes[self.name] = self._build_notes()
+        self.entries.clear()
         self.builds.clear()
         self.reasons.clear()
         if vars(self.cell_class).get("__init__") is self.base_dispatcher:
@@ -228,10 +228,12 @@ class SiblingClone(Technique):
     def _build_notes(self) -> dict:
         """The window's copies, and why each class built more than once was never copied."""
         not_copied = {}
+        learnt = {key[0] for key, entry in self.entries.items() if entry[0] == "recipe"}
         for cls, (builds, copies) in self.builds.items():
             if builds > 1 and not copies:
-                not_copied[f"{cls.__module__}.{cls.__qualname__}"] = self.reasons.get(
-                    cls, "every call had other arguments (e.g. a layer index)")
+                default = ("copied only within the cells that hold it" if cls in learnt
+                           else "every call had other arguments (e.g. a layer index)")
+                not_copied[f"{cls.__module__}.{cls.__qualname__}"] = self.reasons.get(cls, default)
         return {"cells_copied": sum(copies for _, copies in self.builds.values()), "not_copied": not_copied}
 
     # recipes

@@ -10,6 +10,10 @@ PER_INSTANCE_TIME = CellInitTemplate.PER_INSTANCE_TIME
 
 _SCALARS = (type(None), bool, int, float, str, bytes)
 _mindspore_types = None  # (Cell, Parameter, Tensor, Primitive), resolved on first use
+# What comparable() does with a value, by its type (the isinstance chain is
+# the same for every value of a type; a probe renders some 30k values).
+_SCALAR, _CLASS, _CELL, _PARAMETER, _TENSOR, _PRIMITIVE, _DICT, _SEQUENCE, _SET, _OTHER = range(10)
+_kinds: dict[type, int] = {}
 
 
 def _types():
@@ -23,44 +27,59 @@ def _types():
     return _mindspore_types
 
 
+def _kind_of(kind: type) -> int:
+    cell_type, parameter_type, tensor_type, primitive_type = _mindspore_types or _types()
+    for base, code in ((_SCALARS, _SCALAR), (type, _CLASS), (cell_type, _CELL), (parameter_type, _PARAMETER),
+                       (tensor_type, _TENSOR), (primitive_type, _PRIMITIVE), (dict, _DICT), ((list, tuple), _SEQUENCE),
+                       ((set, frozenset), _SET)):
+        if issubclass(kind, base):
+            break
+    else:
+        code = _OTHER
+    _kinds[kind] = code
+    return code
+
+
 def comparable(value, ids: dict, depth=0):
     """A comparable rendering of `value`: objects by structure, identity kept as first-seen order."""
     if depth > 12:
         return ("deep", type(value).__name__)
-    if isinstance(value, _SCALARS):
+    kind = _kinds.get(type(value))
+    if kind is None:
+        kind = _kind_of(type(value))
+    if kind == _SCALAR:
         return value
-    cell_type, parameter_type, tensor_type, primitive_type = _mindspore_types or _types()
-    if isinstance(value, type):
+    if kind == _CLASS:
         return ("class", value.__module__, value.__qualname__)
     key = id(value)
     if key in ids:
         return ("same-as", ids[key][0])
     ids[key] = (len(ids), value)  # the object is kept: its id cannot be reused while ids lives
-    if isinstance(value, cell_type):
+    depth += 1
+    if kind == _DICT:
+        return (type(value).__name__, [(k, comparable(v, ids, depth)) for k, v in value.items()])
+    if kind == _SEQUENCE:
+        return (type(value).__name__, [comparable(v, ids, depth) for v in value])
+    if kind == _CELL:
         return ("cell", ids[key][0])  # cells are compared one by one
-    if isinstance(value, parameter_type):
+    if kind == _PARAMETER:
         init_mode = value.init_mode
         return ("param", type(value).__name__, value.name, tuple(value.shape), str(value.dtype), value.requires_grad,
                 value.has_init, value.layerwise_parallel, value.parallel_optimizer, value.is_init, value.init_flag,
                 value.requires_aggr, value.sliced,
-                comparable(getattr(init_mode, "init", None), ids, depth + 1) if init_mode is not None else None,
-                comparable(vars(value), ids, depth + 1))
-    if isinstance(value, tensor_type):
+                comparable(getattr(init_mode, "init", None), ids, depth) if init_mode is not None else None,
+                comparable(vars(value), ids, depth))
+    if kind == _TENSOR:
         if value.has_init:
-            return ("lazy-tensor", tuple(value.shape), str(value.dtype), comparable(value.init, ids, depth + 1))
+            return ("lazy-tensor", tuple(value.shape), str(value.dtype), comparable(value.init, ids, depth))
         return ("tensor", type(value).__qualname__, tuple(value.shape), str(value.dtype),
                 str(getattr(value, "device", None)), value.asnumpy().tobytes())
-    if isinstance(value, primitive_type):
-        return ("primitive", type(value).__qualname__, value.name, comparable(vars(value), ids, depth + 1))
-    if isinstance(value, dict):
-        return (type(value).__name__, [(k, comparable(v, ids, depth + 1)) for k, v in value.items()])
-    if isinstance(value, (list, tuple)):
-        return (type(value).__name__, [comparable(v, ids, depth + 1) for v in value])
-    if isinstance(value, (set, frozenset)):
-        return (type(value).__name__, sorted(repr(comparable(v, ids, depth + 1)) for v in value))
+    if kind == _PRIMITIVE:
+        return ("primitive", type(value).__qualname__, value.name, comparable(vars(value), ids, depth))
+    if kind == _SET:
+        return (type(value).__name__, sorted(repr(comparable(v, ids, depth)) for v in value))
     if hasattr(value, "__dict__"):
-        return ("object", type(value).__module__, type(value).__qualname__,
-                comparable(vars(value), ids, depth + 1))
+        return ("object", type(value).__module__, type(value).__qualname__, comparable(vars(value), ids, depth))
     text = repr(value)
     if " at 0x" in text:  # an opaque object (e.g. a C++ ParamInfo): its content is compared through its owner
         return ("opaque", type(value).__qualname__)
