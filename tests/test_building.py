@@ -453,6 +453,22 @@ class _UnprefixedWalk(building.FlatNameWalk):
         return True
 
 
+class _ValueChangingWalk(building.FlatNameWalk):
+    """A name walk that also overwrites the values of Parameters made over tensors."""
+
+    def install(self):
+        original = self.original
+
+        def walk(cell, prefix="", recurse=True):
+            original(cell, prefix, recurse)
+            for _, param in cell.parameters_and_names():
+                if not param.has_init:
+                    param.asnumpy()[...] = 0
+
+        nn.Cell.update_parameters_name = walk
+        return True
+
+
 class _SharedContainers(building.CellInitTemplate):
     """A template whose containers are shared between cells instead of fresh."""
 
@@ -513,8 +529,9 @@ class _ZeroTensors(_SharedOwnCopies):
         return made_item
 
 
-@pytest.mark.parametrize("broken", [_WrongPrefixTemplate, _UnprefixedWalk, _SharedContainers, _SharedParameters,
-                                    _CopiedReferences, _SharedOwnCopies, _SharedTensors, _ZeroTensors])
+@pytest.mark.parametrize("broken", [_WrongPrefixTemplate, _UnprefixedWalk, _ValueChangingWalk, _SharedContainers,
+                                    _SharedParameters, _CopiedReferences, _SharedOwnCopies, _SharedTensors,
+                                    _ZeroTensors])
 def test_probe_catches_a_wrong_fast_path(broken):
     reason = probe.run_probe(broken())
     assert reason is not None and ("differs" in reason or "registries" in reason), reason
