@@ -264,11 +264,11 @@ def _compare_own(technique) -> str | None:
     return None
 
 
-def run_probe(technique, alongside=()) -> str | None:
-    """None when the probe model built with `technique` alone (and `alongside`) equals the plain one."""
+def run_probe(technique) -> str | None:
+    """None when the probe model built with `technique` alone equals the plain one."""
     if technique.probe_model is not None:
         return _prepare(technique) or _compare_own(technique)
-    return _prepare(technique) or _compare([technique], alongside)
+    return _prepare(technique) or _compare([technique])
 
 
 def run_probes(techniques, alongside=()) -> dict[str, str | None]:
