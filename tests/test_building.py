@@ -145,10 +145,11 @@ def test_every_probe_passes_on_this_mindspore():
 def test_env_var_switches_techniques_off():
     with techniques_off("signature-cache, gc-pause"):
         states = {r["name"]: r["state"] for r in building.technique_status()}
-        assert states == {"cell-init-template": "active", "signature-cache": "off", "flat-name-walk": "active",
-                          "sibling-clone": "active", "gc-pause": "off", "host-factories": "active"}
-        assert [t.name for t in building.active_techniques()] == ["cell-init-template", "flat-name-walk",
-                                                                   "sibling-clone"]
+        assert states == {"cell-init-template": "active", "signature-cache": "off", "primitive-defaults": "active",
+                          "flat-name-walk": "active", "sibling-clone": "active", "gc-pause": "off",
+                          "host-factories": "active"}
+        assert [t.name for t in building.active_techniques()] == ["cell-init-template", "primitive-defaults",
+                                                                   "flat-name-walk", "sibling-clone"]
         assert [t.name for t in building.active_techniques(early=True)] == ["host-factories"]
     with techniques_off("all"):
         rows = building.technique_status()
@@ -409,8 +410,12 @@ def test_window_installs_and_restores():
     import gc
     import inspect
 
+    from mindspore.ops.operations.other_ops import Load
+    from mindspore.ops.primitive import Primitive
+
     originals = {k: vars(nn.Cell)[k] for k in ("__init__", "update_parameters_name")}
     linear_init, relu_has_init = vars(ms.mint.nn.Linear)["__init__"], "__init__" in vars(nn.ReLU)
+    primitive_init, load_init = vars(Primitive)["__init__"], vars(Load)["__init__"]
     count = nn.Cell.total_instance_count
     primitive_module = ms.ops.prim_attr_register.__globals__
     factories = {name: _factory(name) for name in ("mint.ones", "mint.zeros", "mint.empty", "ops.ones", "ops.zeros")}
@@ -421,6 +426,8 @@ def test_window_installs_and_restores():
         assert not gc.isenabled()
         built = [ms.mint.nn.Linear(2, 2) for _ in range(4)] + [nn.ReLU() for _ in range(2)]
         assert vars(ms.mint.nn.Linear)["__init__"] is not linear_init  # hooked for sibling-clone
+        assert vars(Primitive)["__init__"] is not primitive_init and vars(Load)["__init__"] is not load_init
+    assert vars(Primitive)["__init__"] is primitive_init and vars(Load)["__init__"] is load_init
     assert all(vars(nn.Cell)[k] is v for k, v in originals.items())
     assert all(_factory(name) is f for name, f in factories.items())
     assert vars(ms.mint.nn.Linear)["__init__"] is linear_init and ("__init__" in vars(nn.ReLU)) == relu_has_init
@@ -529,7 +536,24 @@ class _ZeroTensors(_SharedOwnCopies):
         return made_item
 
 
-@pytest.mark.parametrize("broken", [_WrongPrefixTemplate, _UnprefixedWalk, _ValueChangingWalk, _SharedContainers,
+class _DefaultsWithoutAttributes(building.PrimitiveDefaults):
+    """Defaults put into the Python dicts only, not registered on the C++ side (add_prim_attr skipped)."""
+
+    def _plan(self, cls):
+        plan = super()._plan(cls)
+        return plan and (plan[0], "_set_prim_arg", *plan[2:])
+
+
+class _DefaultsWithoutInitAttrs(building.PrimitiveDefaults):
+    """Primitives whose init_attrs lack the defaults."""
+
+    def _build(self, cls, plan, init, prim):
+        super()._build(cls, plan, init, prim)
+        prim.init_attrs.clear()
+
+
+@pytest.mark.parametrize("broken", [_DefaultsWithoutAttributes, _DefaultsWithoutInitAttrs, _WrongPrefixTemplate,
+                                    _UnprefixedWalk, _ValueChangingWalk, _SharedContainers,
                                     _SharedParameters, _CopiedReferences, _SharedOwnCopies, _SharedTensors,
                                     _ZeroTensors])
 def test_probe_catches_a_wrong_fast_path(broken):
@@ -1369,4 +1393,28 @@ def test_refresh_parameter_names_sets_only_what_differs(monkeypatch):
                 monkeypatch.setattr(param_class, "name", real)
         assert calls == ["items.1.weight"]
         assert [p.name for _, p in block.parameters_and_names()] == expected
+    assert building.leftovers() == []
+
+
+# -- primitive-defaults
+
+
+def test_primitives_built_without_arguments_equal_the_decorators():
+    """Primitives of both decorators, with and without defaults, built in the window
+    (served from the cache after the first) and plainly: the same Python and C++ state."""
+    from mindspore.ops.auto_generate.gen_ops_prim import Dense
+    from mindspore.ops.operations.other_ops import Load
+
+    technique = next(t for t in building.TECHNIQUES if t.name == "primitive-defaults")
+    classes = (Load, Dense, ms.ops.AffineGrid, ms.ops.Cast, ms.ops.Gather)
+    plain = [cls() for cls in classes for _ in range(3)]
+    served = technique.served
+    with CONSTRUCTION_LOCK, lazy_construction(fast=True):
+        fast = [cls() for cls in classes for _ in range(3)]
+        with_arguments = ms.ops.AffineGrid(align_corners=True)
+    assert technique.served - served >= 2 * len(classes)  # each class's first build noticed it
+    for a, b in zip(plain, fast):
+        assert state.comparable(a, {}) == state.comparable(b, {}), type(a)
+        assert a.attrs is not b.attrs and a.init_attrs is not b.init_attrs
+    assert with_arguments.get_attr_dict()["align_corners"] is True
     assert building.leftovers() == []

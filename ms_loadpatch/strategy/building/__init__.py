@@ -22,6 +22,7 @@ from .cell_init_template import CellInitTemplate
 from .flat_name_walk import FlatNameWalk
 from .gc_pause import GcPause
 from .host_factories import HostFactories
+from .primitive_defaults import PrimitiveDefaults
 from .probe import run_probes
 from .signature_cache import SignatureCache
 from .sibling_clone import SiblingClone
@@ -29,7 +30,8 @@ from .sibling_clone import SiblingClone
 ACTIVE, SKIPPED, OFF = "active", "skipped", "off"
 
 _FLAT_NAME_WALK = FlatNameWalk()
-TECHNIQUES = (CellInitTemplate(), SignatureCache(), _FLAT_NAME_WALK, SiblingClone(), GcPause(), HostFactories())
+TECHNIQUES = (CellInitTemplate(), SignatureCache(), PrimitiveDefaults(), _FLAT_NAME_WALK, SiblingClone(), GcPause(),
+              HostFactories())
 
 _probe_results: dict[str, str | None] = {}
 _probe_lock = threading.Lock()

@@ -22,11 +22,12 @@ from .technique import ProbeFailed
 
 def _probe_model():
     """A small model touching what the techniques change: mindspore layers
-    with primitives and initializers, containers, nested cells with
-    parameters, a tied parameter, a cell without auto_prefix, a Parameter
-    from a tensor, a buffer, a cell with bprop, a child replaced later, cells
-    built again with the same arguments that keep the config they were given
-    or a copy of their own, and hold a tensor computed in `__init__`."""
+    with primitives (built with arguments, and without: their defaults) and
+    initializers, containers, nested cells with parameters, a tied
+    parameter, a cell without auto_prefix, a Parameter from a tensor, a
+    buffer, a cell with bprop, a child replaced later, cells built again
+    with the same arguments that keep the config they were given or a copy
+    of their own, and hold a tensor computed in `__init__`."""
     import numpy as np
     import mindspore as ms
     from mindspore import Parameter, mint, nn, ops
@@ -42,6 +43,7 @@ def _probe_model():
             self.gain = Parameter(initializer("normal", [5]), name="gain", requires_grad=False)
             self.act = nn.GELU()
             self.matmul = ops.MatMul(transpose_b=True)
+            self.grid = ops.AffineGrid()  # built without arguments: its default becomes a C++ attribute
 
         def construct(self, x):
             return self.norm(self.linear(self.dense(x))) * self.scale

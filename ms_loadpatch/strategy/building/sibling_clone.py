@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import threading
 import time
 
 from . import window
 from .recipes import SCALARS, RecipeWriter, Unclonable, copy_initializer, same_recipe
 from .state import model_state
-from .technique import ProbeFailed, Technique, cell_registration
+from .technique import InitHooks, ProbeFailed, Technique, cell_registration
 
 
 class SiblingClone(Technique):
@@ -48,7 +47,7 @@ class SiblingClone(Technique):
     COPIES_INSIDE_LIMIT = 16
 
     def __init__(self):
-        self.hooked: dict = {}
+        self.hooks = InitHooks()
         self.entries: dict = {}
         self.cloned = 0
         self.builds: dict[type, list[int]] = {}  # class -> [builds, copies] in this window
@@ -74,47 +73,22 @@ class SiblingClone(Technique):
     # installation: Cell.__init__ notices each class; its own __init__ is wrapped for the window
 
     def install(self):
-        cell_class = self.cell_class
-        current = vars(cell_class).get("__init__")
-        if current is None:
-            return False
-        technique, hooked = self, self.hooked
-
-        def __init__(cell, *args, **kwargs):
-            if window.builder == threading.get_ident():
-                cls = type(cell)
-                if cls not in hooked:
-                    technique._hook(cls, current)
-            return current(cell, *args, **kwargs)
-
-        __init__.__wrapped__ = current
-        __init__.__doc__ = current.__doc__
-        self.base_init, self.base_dispatcher = current, __init__
         self.entries.clear()
         self.builds.clear()
         self.reasons.clear()
-        cell_class.__init__ = __init__
-        return True
+        return self.hooks.install(self.cell_class, self._hook)
 
     def uninstall(self):
-        for cls, (had_own, previous, wrapper) in list(self.hooked.items()):
-            if wrapper is not None and vars(cls).get("__init__") is wrapper:
-                if had_own:
-                    cls.__init__ = previous
-                else:
-                    delattr(cls, "__init__")
-        self.hooked.clear()
+        self.hooks.restore()
         if window.recording:
             window.notes[self.name] = self._build_notes()
         self.entries.clear()
         self.builds.clear()
         self.reasons.clear()
-        if vars(self.cell_class).get("__init__") is self.base_dispatcher:
-            self.cell_class.__init__ = self.base_init
         self.count.flush(self.cell_class)
 
     def leftovers(self):
-        found = [f"{cls.__qualname__}.__init__ still wrapped" for cls in self.hooked]
+        found = self.hooks.leftovers()
         if self.entries or self.builds:
             found.append("sibling-clone recipes kept")
         if self.count.pending:
@@ -130,24 +104,10 @@ class SiblingClone(Technique):
         return None
 
     def _hook(self, cls, base_init):
-        init = cls.__init__
-        if init is self.base_dispatcher or init is base_init:
-            self.hooked[cls] = (False, None, None)  # nothing but Cell.__init__ to skip
-            return
-        had_own = "__init__" in vars(cls)
-        previous = vars(cls).get("__init__")
-        technique = self
-
-        def wrapper(cell, *args, **kwargs):
-            if window.builder != threading.get_ident() or type(cell) is not cls:
-                return init(cell, *args, **kwargs)
-            return technique._build(cls, init, cell, args, kwargs)
-
-        wrapper.__wrapped__ = init
-        for attribute in ("__name__", "__qualname__", "__doc__", "__module__"):
-            setattr(wrapper, attribute, getattr(init, attribute, None))
-        self.hooked[cls] = (had_own, previous, wrapper)
-        cls.__init__ = wrapper
+        if cls.__init__ is self.hooks.dispatcher or cls.__init__ is base_init:
+            self.hooks.leave(cls)  # nothing but Cell.__init__ to skip
+        else:
+            self.hooks.wrap(cls, self._build)
 
     # matching calls
 

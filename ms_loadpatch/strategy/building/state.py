@@ -75,7 +75,9 @@ def comparable(value, ids: dict, depth=0):
         return ("tensor", type(value).__qualname__, tuple(value.shape), str(value.dtype),
                 str(getattr(value, "device", None)), value.asnumpy().tobytes())
     if kind == _PRIMITIVE:
-        return ("primitive", type(value).__qualname__, value.name, comparable(vars(value), ids, depth))
+        attributes = getattr(value, "get_attr_dict", None)  # the C++ side's attributes (add_prim_attr)
+        return ("primitive", type(value).__qualname__, value.name, comparable(vars(value), ids, depth),
+                comparable(attributes(), {}, depth) if callable(attributes) else None)
     if kind == _SET:
         return (type(value).__name__, sorted(repr(comparable(v, ids, depth)) for v in value))
     if hasattr(value, "__dict__"):

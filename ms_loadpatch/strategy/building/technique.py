@@ -72,3 +72,77 @@ def cell_registration():
         if needed not in module:
             raise ProbeFailed(f"nn.Cell.__init__'s module has no {needed}")
     return module["Cell_"], module["cells_compile_cache"], module["init_pipeline"]
+
+
+class InitHooks:
+    """Per-class `__init__` wrappers for one window: a dispatcher on a base
+    class's own `__init__` notices each class the building thread builds
+    (`notice(cls, base_init)`, once per class), which may `wrap` that class's
+    `__init__` or `leave` it; `restore()` puts every one back."""
+
+    def __init__(self):
+        self.hooked: dict = {}  # class -> (had its own __init__, that __init__, wrapper or None)
+        self.base = self.base_init = self.dispatcher = None
+
+    def install(self, base, notice) -> bool:
+        import threading
+
+        from . import window
+
+        current = vars(base).get("__init__")
+        if current is None:
+            return False
+        hooked = self.hooked
+
+        def __init__(obj, *args, **kwargs):
+            if window.builder == threading.get_ident():
+                cls = type(obj)
+                if cls not in hooked:
+                    notice(cls, current)
+            return current(obj, *args, **kwargs)
+
+        __init__.__wrapped__ = current
+        __init__.__doc__ = current.__doc__
+        self.base, self.base_init, self.dispatcher = base, current, __init__
+        base.__init__ = __init__
+        return True
+
+    def leave(self, cls) -> None:
+        self.hooked[cls] = (False, None, None)
+
+    def wrap(self, cls, fast) -> None:
+        """`cls.__init__` calls `fast(cls, init, obj, args, kwargs)` for an
+        instance of exactly `cls` in the building thread, `init` otherwise."""
+        import threading
+
+        from . import window
+
+        init = cls.__init__
+
+        def wrapper(obj, *args, **kwargs):
+            if window.builder != threading.get_ident() or type(obj) is not cls:
+                return init(obj, *args, **kwargs)
+            return fast(cls, init, obj, args, kwargs)
+
+        wrapper.__wrapped__ = init
+        for attribute in ("__name__", "__qualname__", "__doc__", "__module__"):
+            setattr(wrapper, attribute, getattr(init, attribute, None))
+        self.hooked[cls] = ("__init__" in vars(cls), vars(cls).get("__init__"), wrapper)
+        cls.__init__ = wrapper
+
+    def restore(self) -> None:
+        for cls, (had_own, previous, wrapper) in list(self.hooked.items()):
+            if wrapper is not None and vars(cls).get("__init__") is wrapper:
+                if had_own:
+                    cls.__init__ = previous
+                else:
+                    delattr(cls, "__init__")
+        self.hooked.clear()
+        if self.base is not None and vars(self.base).get("__init__") is self.dispatcher:
+            self.base.__init__ = self.base_init
+
+    def leftovers(self) -> list[str]:
+        found = [f"{cls.__qualname__}.__init__ still wrapped" for cls in self.hooked]
+        if self.base is not None and vars(self.base).get("__init__") is self.dispatcher:
+            found.append(f"{self.base.__qualname__}.__init__ still notices classes")
+        return found
