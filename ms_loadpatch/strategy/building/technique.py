@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import threading
+
+from . import window
+
 
 class ProbeFailed(Exception):
     """The fast path cannot be shown to match mindspore's on this install."""
@@ -85,10 +89,6 @@ class InitHooks:
         self.base = self.base_init = self.dispatcher = None
 
     def install(self, base, notice) -> bool:
-        import threading
-
-        from . import window
-
         current = vars(base).get("__init__")
         if current is None:
             return False
@@ -113,10 +113,6 @@ class InitHooks:
     def wrap(self, cls, fast) -> None:
         """`cls.__init__` calls `fast(cls, init, obj, args, kwargs)` for an
         instance of exactly `cls` in the building thread, `init` otherwise."""
-        import threading
-
-        from . import window
-
         init = cls.__init__
 
         def wrapper(obj, *args, **kwargs):
