@@ -19,6 +19,7 @@ Faults and threads: tests/test_faults_concurrency.py.
 
 import contextlib
 import copy
+import gc
 import json
 import os
 import re
@@ -570,6 +571,20 @@ def test_late_techniques_are_probed_with_the_active_early_ones():
     assert all(reason is None for reason in probe.run_probes(late, alongside=[host]).values())
     assert host.made > made  # the probe model's factories were served in the probe build, as in a real build
     assert building.leftovers() == []
+
+
+def test_probes_run_with_collection_paused(monkeypatch):
+    """The probes' renderings would trigger a full collection of everything
+    imported; they run under the pause a load holds, and resume it after."""
+    seen = []
+    monkeypatch.setattr(building, "_probe_results", {})
+    for technique in building.TECHNIQUES:
+        prepare = technique.prepare
+        monkeypatch.setattr(technique, "prepare", lambda prepare=prepare: seen.append(gc.isenabled()) or prepare())
+    assert gc.isenabled()
+    assert all(row["state"] == "active" for row in building.technique_status())
+    assert seen and not any(seen)
+    assert gc.isenabled() and building.leftovers() == []
 
 
 def test_techniques_that_differ_only_together_all_fail(monkeypatch):

@@ -15,7 +15,7 @@ from ..strategy.assign import cast_parameters
 from ..strategy.building import fast_construction
 from ..strategy.castread import CastPlan, CastRegistry
 from ..strategy.construct import CONSTRUCTION_LOCK
-from ..strategy.gcpause import collection_paused_for_load
+from ..strategy.gcpause import collection_paused
 from ..strategy.prefetch import CheckpointFiles, local_checkpoint_files, read_file, start_prefetch, take_or_read
 from ..strategy.reader import CheckpointError
 from ..strategy.tensors import to_tensor
@@ -57,7 +57,7 @@ def accelerated_load(wrapped, args, kwargs, report, dtype, checkpoint_files, fin
     its load context current and gc paused, `checkpoint_files()` read ahead,
     cast while reading to `dtype` (the dtype asked for, or None) where the
     cast is exact; `finish(ctx, result)` then does the library's last part."""
-    with context.activate(report) as ctx, collection_paused_for_load() as report.gc_paused:
+    with context.activate(report) as ctx, collection_paused() as report.gc_paused:
         plan = CastPlan.for_dtype(dtype)
         if plan is not None:
             report.technique += f", cast to {plan.target} while reading"

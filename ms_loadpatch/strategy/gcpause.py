@@ -57,11 +57,13 @@ def _promote_to_oldest() -> bool:
 
 
 @contextlib.contextmanager
-def collection_paused_for_load():
-    """The pause over a whole accelerated load: after the build, mindone's
+def collection_paused():
+    """The pause over a whole accelerated load (after the build, mindone's
     key checks, `tie_weights` and `set_train` walk every cell again, and the
-    collections their allocations trigger rescan everything. Yields whether
-    collection is paused; the techniques-off switch leaves gc alone."""
+    collections their allocations trigger rescan everything) and over the
+    construction probes (their renderings would trigger a full collection of
+    every module mindone imported). Yields whether collection is paused; the
+    techniques-off switch leaves gc alone."""
     if switch.is_off(NAME):
         yield False
         return

@@ -54,12 +54,18 @@ def probe_result(technique) -> str | None:
     if window.depth:  # inside a window the probe would compare the fast path with itself
         raise RuntimeError("ms_loadpatch: fast-construction probes cannot run inside a construction window")
     with _probe_lock:
-        if technique.name not in _probe_results:  # the early ones alone: a small build need not pay the others'
-            _probe_group(early=True)
-            if not technique.engages_early:  # probed with the early ones a real build installs beside them
-                _probe_group(early=False, alongside=[t for t in TECHNIQUES if t.engages_early
-                                                     and not switch.is_off(t.name) and _probe_results[t.name] is None])
+        if technique.name not in _probe_results:
+            with gcpause.collection_paused():
+                _probe_groups(technique)
         return _probe_results[technique.name]
+
+
+def _probe_groups(technique):
+    """The early techniques alone (a small build need not pay the others'), then the rest if `technique` is one."""
+    _probe_group(early=True)
+    if not technique.engages_early:  # probed with the early ones a real build installs beside them
+        _probe_group(early=False, alongside=[t for t in TECHNIQUES if t.engages_early
+                                             and not switch.is_off(t.name) and _probe_results[t.name] is None])
 
 
 def _probe_group(early: bool, alongside=()):
