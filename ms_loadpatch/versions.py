@@ -450,7 +450,10 @@ def techniques() -> Techniques:
     """The technique for the imported mindspore (one per process)."""
     import mindspore as ms
 
-    problems, library_problems, features = probe(ms)
+    from .strategy import randomstate
+
+    with randomstate.kept():  # the probes fill parameters from random initializers
+        problems, library_problems, features = probe(ms)
     result = Techniques(
         mindspore=str(getattr(ms, "__version__", installed_version("mindspore"))),
         assign="Parameter.set_data (transformers: then its lazy initializer dropped, as Parameter.init_data does)",

@@ -33,7 +33,7 @@ import threading
 
 import numpy as np
 
-from . import switch
+from . import randomstate, switch
 from .reader import (CheckpointError, checkpoint_os_error, data_buffer, read_header_from, read_into, read_threads,
                      run_in_threads, unchanged_file)
 
@@ -106,7 +106,8 @@ def _probed_pair(source, target):
     key = (np.dtype(source).str, str(target))
     with _probe_lock:
         if key not in _probed:
-            _probed[key] = _probe(np.dtype(source), target)
+            with randomstate.kept():
+                _probed[key] = _probe(np.dtype(source), target)
         return _probed[key]
 
 

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import threading
 
-from . import switch
+from . import randomstate, switch
 
 NAME = "cell-passes"
 DESCRIPTION = ("the per-cell passes after a transformers build (the init flag, tie_weights' hasattr, "
@@ -177,7 +177,8 @@ def probe() -> str | None:
         if not _verdict:
             _probing.active = True
             try:
-                _verdict.append(_probe())
+                with randomstate.kept():
+                    _verdict.append(_probe())
             finally:
                 _probing.active = False
         return _verdict[0]

@@ -16,7 +16,7 @@ from __future__ import annotations
 import contextlib
 import threading
 
-from .. import gcpause, switch
+from .. import gcpause, randomstate, switch
 from . import window
 from .cell_init_template import CellInitTemplate
 from .flat_name_walk import FlatNameWalk
@@ -55,7 +55,7 @@ def probe_result(technique) -> str | None:
         raise RuntimeError("ms_loadpatch: fast-construction probes cannot run inside a construction window")
     with _probe_lock:
         if technique.name not in _probe_results:
-            with gcpause.collection_paused():
+            with gcpause.collection_paused(), randomstate.kept():
                 _probe_groups(technique)
         return _probe_results[technique.name]
 

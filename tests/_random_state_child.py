@@ -1,0 +1,59 @@
+"""Child process for test_random_state.py: seed, run one kind of call twice,
+and print the global generators' draws after each call as one JSON line.
+
+    python _random_state_child.py CASE DIRECTORY
+
+CASE: `diffusers-unet`, `diffusers-vae` (from_pretrained of the checkpoint in
+DIRECTORY/CASE), `transformers-from-config`, `probes` (every probe the
+plugin runs, through status(), against no call at all). The plugin is on unless MS_LOADPATCH=0.
+"""
+
+import json
+import os
+import random
+import sys
+
+case, directory = sys.argv[1], sys.argv[2]
+
+import ms_loadpatch  # noqa: E402,F401  (MS_LOADPATCH=0 leaves it off)
+import mindspore as ms  # noqa: E402
+import numpy as np  # noqa: E402
+from ms_loadpatch.testing import cpu_kernel_fallbacks  # noqa: E402
+
+
+def call():
+    if case.startswith("diffusers-"):
+        import mindone.diffusers as D
+
+        cls = {"diffusers-unet": D.UNet2DConditionModel, "diffusers-vae": D.AutoencoderKL}[case]
+        cls.from_pretrained(os.path.join(directory, case))
+    elif case == "transformers-from-config":
+        import transformers as hf
+        from mindone.transformers import AutoModelForCausalLM
+
+        AutoModelForCausalLM.from_config(hf.Qwen2Config(
+            vocab_size=128, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+            intermediate_size=64))
+    elif case == "probes":  # with the plugin off, nothing: every probe must leave the generators as not probing
+        import mindone.transformers.modeling_utils  # noqa: F401
+
+        if ms_loadpatch.is_enabled():
+            ms_loadpatch.status()
+    else:
+        raise SystemExit(f"unknown case {case}")
+
+
+def draws():
+    state = ms.get_rng_state() if hasattr(ms, "get_rng_state") else None
+    return {"numpy": repr(np.random.rand()), "python": repr(random.random()),
+            "mindspore": None if state is None else state.asnumpy().tolist()}
+
+
+after = []
+with cpu_kernel_fallbacks():
+    ms.set_seed(7)
+    random.seed(7)
+    for _ in range(2):  # the first call of a process (probes run) and a later one
+        call()
+        after.append(draws())
+print("DRAWS " + json.dumps({"enabled": ms_loadpatch.is_enabled(), "after": after}))
