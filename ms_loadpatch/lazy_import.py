@@ -15,9 +15,16 @@ Exactness rules the module follows (the eager import is the reference):
 - a later statement's binding wins over an earlier one, as eagerly;
 - `__all__` when the `__init__` defines none: every name is resolved, then
   AttributeError, so `from ... import *` reads the complete `__dict__`;
-- a name that can only exist after the eager import (a submodule that some
-  import binds as a side effect) resolves everything first, so `hasattr`
-  answers as eagerly; any other unknown name is an AttributeError at once.
+- dir() lists, before any access, what the eager import's namespace holds:
+  besides what the `__init__` binds, the submodules that the modules it runs
+  import (bound in their parent as a side effect) and that its star imports
+  export, predicted from the installed sources on the first dir()
+  (_EagerImportScan, ~0.2 s, never at import);
+- such a submodule, when it is a direct one, is imported on access (the very
+  module the eager import binds); one a star import exports, or any
+  submodule name when there is no prediction, resolves everything first, so
+  `hasattr` answers as eagerly; any other unknown name is an AttributeError
+  at once.
 Modules whose import writes into another module's registry (the audit in
 versions.LAZY_IMPORT_SIDE_EFFECTS) are imported when that registry's reader
 is, and modules whose being imported changes how others behave
@@ -203,6 +210,7 @@ class LazyPackage(types.ModuleType):
         names = set(self.__dict__)
         if plan is not None and not plan.complete:
             names.update(plan.table)
+            names.update(_eager_import_scan().bound_by_eager_import(plan.name) or ())
         return sorted(names)
 
 
@@ -230,6 +238,7 @@ class _Plan:
         self.star_children: set[str] = set()  # submodules of star sources (may be star-exported)
         self.complete = False
         self._children = None
+        self.executed = []  # (module, names) of the relative imports the run went through, in order
 
     # -- building (static: nothing is imported or executed)
 
@@ -298,7 +307,7 @@ class _Plan:
             if bound in self._child_names() and binding.module != f"{self.name}.{bound}":
                 # the import system would rebind it to the submodule when that is imported
                 raise Unsupported(f"line {node.lineno}: {bound!r} names both a submodule and another object")
-        return ("import", index, bindings)
+        return ("import", index, bindings, module, [alias.name for alias in node.names])
 
     def _child_of(self, module):
         if not module.startswith(self.name + "."):
@@ -352,6 +361,9 @@ class _Plan:
     # -- running (at import, in the __init__'s order)
 
     def run(self, module):
+        import builtins
+
+        module.__dict__.setdefault("__builtins__", vars(builtins))  # as exec() sets it, with no statement run
         self._run(module, self.steps)
 
     def _run(self, module, steps):
@@ -359,6 +371,7 @@ class _Plan:
         for step in steps:
             kind, index = step[0], step[1]
             if kind == "import":
+                self.executed.append((step[3], step[4]))
                 for name, binding in step[2]:
                     if binding.module == f"{self.name}.{name}" and binding.attr is None and name in namespace:
                         continue  # a submodule already imported and bound: the same object
@@ -389,8 +402,14 @@ class _Plan:
     def getattr(self, module, name):
         if name in self.table:
             self.resolve(module, name)
-        elif name == "__all__" or self._may_exist_eagerly(name):
+        elif name == "__all__":
             self.resolve_all(module)
+        elif self._may_exist_eagerly(name):
+            bound = _eager_import_scan().bound_by_eager_import(self.name)
+            if bound is not None and name in bound and name in self._child_names():
+                importlib.import_module(f"{self.name}.{name}")  # the very module; the import system binds it
+            else:  # a submodule a star import exports, or no prediction: everything, then the eager answer
+                self.resolve_all(module)
         try:
             return module.__dict__[name]
         except KeyError:
@@ -494,3 +513,11 @@ def _literal_all(ast, source):
     if not all(isinstance(n, str) for n in names):
         raise Unsupported("__all__ holds a non-string")
     return list(names)
+
+
+def _eager_import_scan():
+    """The module predicting what the eager import binds (imported on first
+    dir() or access to such a name: it imports this one)."""
+    from . import eager_import_scan
+
+    return eager_import_scan

@@ -3,7 +3,9 @@ lazy, as the environment says) and prints, as one REPORT line, what a user
 can observe: names, what each resolves to, dir() before and after, the Auto
 mappings and the registries written at import.
 
-    python _lazy_probe.py [names|auto|registries]...
+    python _lazy_probe.py [names|auto|registries|dir|access|load]... [--model=DIR]
+
+`dir` may be given more than once (each snapshot is kept, in order).
 """
 
 import json
@@ -70,6 +72,43 @@ def names_report():
     report["star"] = sorted(k for k in namespace if k != "__builtins__")
     report["modules"] = sorted(m for m in sys.modules if m.startswith("mindone.transformers"))
     return report
+
+
+def _scanned():
+    """Has the lazy import predicted what the eager import binds (done on
+    the first dir() of a lazy package, never at import)?"""
+    module = sys.modules.get("ms_loadpatch.eager_import_scan")
+    return bool(module is not None and module._eager_bound)
+
+
+def dir_report():
+    """dir() of both packages, as it is now (the models package is imported,
+    which the eager import does anyway)."""
+    scanned = _scanned()
+    import mindone.transformers as mt
+    import mindone.transformers.models as models
+
+    return {"mt": dir(mt), "models": dir(models), "scanned_before": scanned}
+
+
+def access_report():
+    """What a from_pretrained script resolves first."""
+    import mindone.transformers as mt
+
+    return {name: describe(getattr(mt, name)) for name in ("AutoModelForCausalLM", "Qwen2ForCausalLM")}
+
+
+def load_report():
+    """`AutoModelForCausalLM.from_pretrained(--model)`, right after the import."""
+    from ms_loadpatch.testing import cpu_kernel_fallbacks
+
+    directory = next(a.split("=", 1)[1] for a in sys.argv if a.startswith("--model="))
+    from mindone.transformers import AutoModelForCausalLM
+
+    with cpu_kernel_fallbacks():
+        model = AutoModelForCausalLM.from_pretrained(directory)
+    return {"class": describe(type(model)), "parameters": len(list(model.get_parameters())),
+            "scanned": _scanned()}
 
 
 def _entry(mapping, key):
@@ -173,8 +212,13 @@ def reverse_root_report():
 if __name__ == "__main__":
     out = {}
     for part in [a for a in sys.argv[1:] if not a.startswith("--")]:
-        out[part] = {"names": names_report, "auto": auto_report, "registries": registries_report, "hf": hf_report,
-                     "reverse": reverse_report, "reverse-root": reverse_root_report}[part]()
+        result = {"names": names_report, "auto": auto_report, "registries": registries_report, "hf": hf_report,
+                  "reverse": reverse_report, "reverse-root": reverse_root_report, "dir": dir_report,
+                  "access": access_report, "load": load_report}[part]()
+        if part == "dir":
+            out.setdefault(part, []).append(result)
+        else:
+            out[part] = result
     if "ms_loadpatch" in sys.modules:
         out["lazy_import"] = sys.modules["ms_loadpatch"].status()["lazy_import"]
     print("REPORT " + json.dumps(out))

@@ -1,10 +1,11 @@
 """Lazy `mindone.transformers` / `mindone.transformers.models` (issue #26).
 
 The eager import is the reference: in fresh processes (tests/_lazy_probe.py),
-the same names resolve to the same objects, dir() after every name was
-touched, `import *`, the Auto mappings and the registries written at import
-are equal; pickling, importlib, absolute imports inside model modules and a
-full from_pretrained behave as eagerly. The mechanics (statement order, star
+the same names resolve to the same objects, dir() (before any access, after
+the Auto classes were resolved, right after a from_pretrained, after every
+name was touched), `import *`, the Auto mappings and the registries written
+at import are equal; pickling, importlib, absolute imports inside model
+modules and a full from_pretrained behave as eagerly. The mechanics (statement order, star
 imports, fallbacks) are also checked in this process on small synthetic
 packages, which need no mindone.
 """
@@ -19,7 +20,7 @@ import types
 import pytest
 
 from conftest import TESTS_DIR, report_of, run_python
-from ms_loadpatch import lazy_import, versions
+from ms_loadpatch import eager_import_scan, lazy_import, versions
 
 # Imported at collection, with conftest's plugin on, as a script importing
 # ms_loadpatch first does: the packages this suite's tests use are the lazy
@@ -29,9 +30,10 @@ import mindone.transformers.models  # noqa: E402,F401
 PROBE = os.path.join(TESTS_DIR, "_lazy_probe.py")
 
 
-def _probe(lazy, *parts):
+def _probe(lazy, *parts, model=None):
     # eager: the plugin imported with MS_LOADPATCH=0, i.e. not enabled (no lazy import)
-    proc = run_python([PROBE, "--plugin", *parts], env_extra=None if lazy else {"MS_LOADPATCH": "0"}, timeout=900)
+    options = ["--plugin"] + ([f"--model={model}"] if model else [])
+    proc = run_python([PROBE, *options, *parts], env_extra=None if lazy else {"MS_LOADPATCH": "0"}, timeout=900)
     return report_of(proc)
 
 
@@ -66,17 +68,66 @@ def test_same_names_resolve_to_the_same_objects(both_sides):
 
 
 @pytest.mark.matrix
-def test_dir_before_touching_lists_every_name_the_init_binds(both_sides):
+def test_dir_before_touching_is_the_eager_one(both_sides):
+    """Every name the `__init__`s bind, and the submodules the eager import
+    binds as a side effect (imported by a module it runs, or exported by a
+    star import: `modeling_arcee`, `trainer_utils`, `models.align`, ...)."""
     eager, lazy = both_sides[0]["names"], both_sides[1]["names"]
-    assert set(lazy["dir_before"]) <= set(eager["dir_before"])
-    # what is missing before: only submodules that eager imports bind as a side effect
-    missing = set(eager["dir_before"]) - set(lazy["dir_before"])
-    assert all(eager["resolved"][f"mindone.transformers.{name}"][0] == "module" for name in missing), missing
-    missing_models = set(eager["models_dir_before"]) - set(lazy["models_dir_before"])
-    assert all(eager["resolved"][f"mindone.transformers.models.{name}"][0] == "module" for name in missing_models)
-    public = [n for n, v in eager["resolved"].items()
-              if n.startswith("mindone.transformers.") and n.count(".") == 2 and v[0] != "module"]
-    assert {n.split(".")[-1] for n in public} <= set(lazy["dir_before"])
+    assert _difference(lazy["dir_before"], eager["dir_before"]) == ([], [])
+    assert _difference(lazy["models_dir_before"], eager["models_dir_before"]) == ([], [])
+    assert set(eager["dir_before"]) == set(eager["dir_after"])  # eagerly, nothing appears later
+    # some of those side-effect names (mindone 0.5.0), listed before any access
+    assert {"modeling_arcee", "trainer_utils", "optimization", "data"} <= set(lazy["dir_before"])
+    assert {"align", "whisper"} <= set(lazy["models_dir_before"])
+
+
+def _difference(lazy, eager):
+    """(names only eager lists, names only lazy lists)."""
+    return sorted(set(eager) - set(lazy)), sorted(set(lazy) - set(eager))
+
+
+@pytest.fixture(scope="module")
+def tiny_qwen2(tmp_path_factory):
+    import mindone.transformers as mt
+    import transformers as hf
+
+    from ms_loadpatch.testing import cpu_kernel_fallbacks
+
+    directory = tmp_path_factory.mktemp("lazy-dir") / "qwen2"
+    config = hf.Qwen2Config(vocab_size=128, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                            num_key_value_heads=2, intermediate_size=64)
+    with cpu_kernel_fallbacks():
+        mt.Qwen2ForCausalLM(config).save_pretrained(str(directory))
+    return str(directory)
+
+
+@pytest.mark.matrix
+def test_dir_right_after_a_load_is_the_eager_one(tiny_qwen2):
+    if not versions.check().ok:
+        pytest.skip("versions refused by the gate")
+    eager = _probe(False, "load", "dir", model=tiny_qwen2)
+    lazy = _probe(True, "load", "dir", model=tiny_qwen2)
+    assert lazy["lazy_import"]["packages"]["mindone.transformers"]["state"] == "lazy"
+    assert lazy["load"]["class"] == eager["load"]["class"] == ["mindone.transformers.models.qwen2.modeling_qwen2",
+                                                               "Qwen2ForCausalLM"]
+    assert lazy["load"]["parameters"] == eager["load"]["parameters"] > 0
+    assert not lazy["load"]["scanned"]  # a load does not call dir(): it does not pay for the prediction
+    (eager_dir,), (lazy_dir,) = eager["dir"], lazy["dir"]
+    assert _difference(lazy_dir["mt"], eager_dir["mt"]) == ([], [])
+    assert _difference(lazy_dir["models"], eager_dir["models"]) == ([], [])
+
+
+@pytest.mark.matrix
+def test_dir_before_and_after_resolving_the_auto_classes_is_the_eager_one():
+    if not versions.check().ok:
+        pytest.skip("versions refused by the gate")
+    eager = _probe(False, "dir", "access", "dir")
+    lazy = _probe(True, "dir", "access", "dir")
+    assert lazy["access"] == eager["access"]
+    assert not lazy["dir"][0]["scanned_before"] and lazy["dir"][1]["scanned_before"]  # on the first dir()
+    for eager_dir, lazy_dir in zip(eager["dir"], lazy["dir"]):
+        assert _difference(lazy_dir["mt"], eager_dir["mt"]) == ([], [])
+        assert _difference(lazy_dir["models"], eager_dir["models"]) == ([], [])
 
 
 @pytest.mark.matrix
@@ -302,6 +353,8 @@ def synthetic(tmp_path, monkeypatch):
             del sys.modules[module]
         lazy_import._plans.pop(name, None)
         lazy_import._packages.pop(name, None)
+        eager_import_scan._eager_bound.pop(name, None)
+        eager_import_scan._eager_bound_errors.pop(name, None)
 
 
 def _view(module):
@@ -352,6 +405,80 @@ def test_dir_before_access_and_later_bindings(synthetic):
     assert {"A", "B", "S1", "S2", "shared", "shared2", "sub", "sub2", "a", "b", "c"} <= set(before)
     assert lazy.shared == "assigned later" and lazy.shared2 == "from c"  # the later statement wins
     assert lazy.sub2.Y == 1 and lazy.b.B is lazy.B
+
+
+_SIDE_EFFECT_FILES = {
+    "__init__.py": """
+        from .a import A
+        from .starpkg import *
+        from .late import L
+        """,
+    "a.py": '''
+        from typing import TYPE_CHECKING
+        from . import helper  # binds helper in the package, as a side effect
+        from .deep.inner import X  # binds deep
+        import sidepkg.deep.other  # an absolute import of the package's own module
+        if TYPE_CHECKING:
+            from . import typed_only
+        def function():
+            from . import in_function
+        async def coroutine(
+            argument,
+        ):
+            from . import in_coroutine
+        try:
+            from . import in_try
+        except ImportError:
+            from . import in_except
+        if False:
+            from . import in_false
+        elif 1 + 1 == 3:
+            from . import in_elif
+        else:
+            from . import in_else
+        class C:
+            from . import in_class
+            def method(self):
+                from . import in_method
+        if __name__ == "__main__":
+            from . import in_main
+        def documented():
+            """
+            from . import in_docstring
+            """
+        A = 1
+        ''',
+    "deep/__init__.py": "",
+    "deep/inner.py": "X = 1\n",
+    "deep/other.py": "",
+    "starpkg/__init__.py": "from .mod import *\n",  # no __all__: the star exports the submodule too
+    "starpkg/mod.py": "__all__ = ['M']\nM = 1\n",
+    "starpkg/unused.py": "",
+    "late.py": "L = 1\nfrom .starpkg import unused  # after the star import: not exported by it\n",
+    **{f"{name}.py": "" for name in (
+        "helper", "typed_only", "in_function", "in_coroutine", "in_try", "in_except", "in_false", "in_elif",
+        "in_else", "in_class", "in_method", "in_main", "in_docstring", "never")},
+}
+
+
+def test_dir_before_access_lists_what_the_eager_import_binds_as_a_side_effect(synthetic):
+    """Submodules bound because some module the eager import runs imports
+    them (statements that do not run at import aside), and submodules a star
+    import exports: dir() lists them before any access, without importing."""
+    root = synthetic("sidepkg_eager", {k: v.replace("sidepkg", "sidepkg_eager") for k, v in _SIDE_EFFECT_FILES.items()})
+    synthetic("sidepkg", _SIDE_EFFECT_FILES)
+    eager = importlib.import_module("sidepkg_eager")
+    lazy = _import_lazy(root, "sidepkg")
+    assert "sidepkg.a" not in sys.modules and "helper" not in vars(lazy)
+    before = dir(lazy)
+    assert not eager_import_scan._eager_bound_errors
+    assert before == dir(eager), (sorted(set(dir(eager)) - set(before)), sorted(set(before) - set(dir(eager))))
+    assert {"helper", "deep", "in_try", "in_else", "in_class", "mod"} <= set(before)
+    assert not {"typed_only", "in_function", "in_coroutine", "in_except", "in_false", "in_elif", "in_method",
+                "in_main", "in_docstring", "never", "unused"} & set(before)
+    assert "sidepkg.a" not in sys.modules and "sidepkg.helper" not in sys.modules  # predicted, not imported
+    assert lazy.helper is sys.modules["sidepkg.helper"] and lazy.mod is sys.modules["sidepkg.starpkg.mod"]
+    assert dir(lazy) == dir(eager) and _view(lazy) == _view(eager)
 
 
 @pytest.mark.parametrize("files,reason", [
