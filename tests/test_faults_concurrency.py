@@ -280,6 +280,33 @@ def test_lazy_window_stays_in_its_thread(models, monkeypatch):
     _assert_matches(reference, result["model"], "the lazy load")
 
 
+@pytest.mark.parametrize("name", ["qwen2", "unet"])
+def test_report_reads_its_build_under_the_construction_lock(models, monkeypatch, name):
+    """The window's figures (engaged_at, notes) are module state that the next
+    build overwrites: the report copies them while this load still holds
+    CONSTRUCTION_LOCK, once its window has closed. A build another thread runs
+    right after the lock is released then cannot put its figures into this
+    load's report."""
+    from ms_loadpatch.strategy.building import window
+
+    seen = []
+    real = context.LoadReport.note_construction
+
+    def note(report):
+        seen.append((construct.CONSTRUCTION_LOCK._is_owned(), window.window_open(), window.engaged_at))
+        real(report)
+
+    monkeypatch.setattr(context.LoadReport, "note_construction", note)
+    load, reference = models[name]
+    _assert_matches(reference, load(), name)
+    assert seen == [(True, False, 0)]  # conftest: fast construction engages from the first cell
+    report = context.last_report()
+    assert report.fast_construction_from == 0
+    with ms_loadpatch.disabled():  # an unpatched build in between changes nothing in the report
+        load()
+    assert context.last_report() is report and report.fast_construction_from == 0
+
+
 @pytest.mark.parametrize("name, pause_at", [("qwen2", (glue_tf, "assign")), ("unet", (glue_df, "_assign"))],
                          ids=["transformers", "diffusers"])
 def test_disable_during_in_flight_load(models, monkeypatch, name, pause_at):

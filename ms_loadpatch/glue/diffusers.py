@@ -298,11 +298,9 @@ def _locked(manager):
 
 @contextlib.contextmanager
 def _timed_construction(ctx):
-    try:
-        with ctx.report.phase("construct"), lazy_construction(checkpoint_tensors=ctx.checkpoint_tensors()):
-            yield
-    finally:
-        ctx.report.note_construction()
+    with ctx.report.phase("construct"), lazy_construction(checkpoint_tensors=ctx.checkpoint_tensors(),
+                                                          when_built=ctx.report.note_construction):
+        yield
 
 
 def _local_checkpoint_files(args, kwargs) -> common.CheckpointFiles:

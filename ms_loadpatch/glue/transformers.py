@@ -153,7 +153,8 @@ def model_init(wrapped, instance, args, kwargs):
     if ctx is not None and ctx.construction_root is None:
         ctx.construction_root = instance
         ctx.exit_stack.enter_context(ctx.report.phase("construct"))
-        ctx.exit_stack.enter_context(lazy_construction(checkpoint_tensors=ctx.checkpoint_tensors()))
+        ctx.exit_stack.enter_context(lazy_construction(checkpoint_tensors=ctx.checkpoint_tensors(),
+                                                       when_built=ctx.report.note_construction))
         ctx.constructing = True
     return wrapped(*args, **kwargs)
 

@@ -15,14 +15,21 @@ __all__ = ["CONSTRUCTION_LOCK", "lazy_construction", "refresh_parameter_names", 
 
 
 @contextlib.contextmanager
-def lazy_construction(fast: bool = True, checkpoint_tensors: int | None = None):
+def lazy_construction(fast: bool = True, checkpoint_tensors: int | None = None, when_built=None):
     """Parameters built from initializers in this thread stay lazy (no memory,
     no random fill); with `fast`, cells are built through the probed
     construction techniques too (strategy/building: same objects, less Python
-    work), from the first cell when `checkpoint_tensors` says the model is large."""
-    with lazy_parameters(), \
-            (fast_construction(checkpoint_tensors=checkpoint_tensors) if fast else contextlib.nullcontext()):
-        yield
+    work), from the first cell when `checkpoint_tensors` says the model is large.
+    `when_built()` runs once the techniques' window has closed, still under
+    CONSTRUCTION_LOCK: what the window noted is this build's until the lock
+    is released (another thread's build then overwrites it)."""
+    with lazy_parameters():
+        try:
+            with fast_construction(checkpoint_tensors=checkpoint_tensors) if fast else contextlib.nullcontext():
+                yield
+        finally:
+            if when_built is not None:
+                when_built()
 
 
 def refresh_parameter_names(root, each_cell=None) -> None:

@@ -201,8 +201,7 @@ class LoadContext:
     def close_construction(self) -> None:
         if self.constructing:
             self.constructing = False
-            self.exit_stack.close()
-            self.report.note_construction()
+            self.exit_stack.close()  # the window's figures were noted before its lock was released
 
 
 def current() -> LoadContext | None:
