@@ -96,6 +96,10 @@ def _print_status(report: dict) -> None:
     for name, version in report["versions"].items():
         tested = ", ".join(report["tested"][name])
         print(f"  {name} {version or 'not installed'} (supported {report['supported'][name]}; tested {tested})")
+    python = report["python"]  # the running one
+    untested = "" if python["tested_here"] else f", not {python['version'].rsplit('.', 1)[0]}"
+    print(f"  python {python['version']} (supported {python['supported']}; tested {', '.join(python['tested'])}"
+          f"{untested})")
     if report["refusal"]:
         print(f"  refused: {report['refusal']}")
     for library in report["libraries"]:

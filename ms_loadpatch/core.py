@@ -136,6 +136,7 @@ class _Patcher:
                 "versions": dict(gate.versions),
                 "supported": {name: str(spec) for name, spec in versions.SUPPORTED.items()},
                 "tested": {name: list(tested) for name, tested in versions.TESTED.items()},
+                "python": versions.python_status(),
                 "refusal": gate.refusal,
                 "untested": list(gate.untested),
                 "libraries": {library: _library_verdict(library, self._enabled, gate, targets)

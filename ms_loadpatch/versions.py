@@ -27,10 +27,34 @@ SUPPORTED: dict[str, SpecifierSet] = {
 }
 
 # The versions `.ci/matrix` runs by default (it reads this literal), each
-# mindspore with the one mindone.
+# mindspore with the one mindone. Post and local releases inside a supported
+# minor (2.7.1.post1, 2.7.1+cpu) pass the gate like their release.
 TESTED: dict[str, tuple[str, ...]] = {
-    "mindspore": ("2.7.0", "2.7.1", "2.7.2", "2.8.0", "2.9.0", "2.10.0"),
+    "mindspore": ("2.7.0", "2.7.1", "2.7.1.post1", "2.7.2", "2.8.0", "2.9.0", "2.10.0"),
     "mindone": ("0.5.0",),
+}
+
+# The Pythons the tests run on (pyproject's requires-python: >=3.9,<3.13;
+# mindspore publishes no wheel for 3.13). The README test command runs the
+# whole suite on the CI machine's python3 (3.11); `.ci/matrix` (it reads
+# these literals, without importing anything) runs each mindspore in TESTED
+# on MATRIX_PYTHONS' Python, MATRIX_DEFAULT_PYTHON for the others.
+SUPPORTED_PYTHON = SpecifierSet(">=3.9,<3.13")
+TESTED_PYTHONS: tuple[str, ...] = ("3.9", "3.10", "3.11", "3.12")
+MATRIX_DEFAULT_PYTHON: str = "3.11"
+MATRIX_PYTHONS: dict[str, str] = {
+    "2.7.0": "3.9",  # the oldest pair: the lowest mindspore on the lowest Python (2.7.0-2.9.0 have 3.9 wheels)
+    "2.9.0": "3.10",  # every admitted Python runs somewhere
+    "2.10.0": "3.12",  # the newest pair (3.12 wheels from 2.7.2); 2.10.0 on 3.11 is the README suite's
+}
+# The cell whose every other dependency is pinned to its declared floor
+# (pyproject `name>=X` -> `name==X`): the oldest mindspore, on the oldest Python.
+FLOORS_CELL: str = "2.7.0"
+# Floors that cell raises, because mindspore's or mindone's own requirements
+# ask for more (the declared floor is what this package's code needs):
+# name -> (version installed instead, why).
+FLOORS_RAISED: dict[str, tuple[str, str]] = {
+    "safetensors": ("0.4.3", "transformers 4.57.1, pinned by mindone 0.5.0, requires safetensors>=0.4.3"),
 }
 
 # Policy for versions outside SUPPORTED (older, or newer than anything the
@@ -54,6 +78,17 @@ def installed_version(distribution: str) -> Version | None:
 
 def tested_versions(distribution: str) -> str:
     return ", ".join(TESTED[distribution])
+
+
+def python_status() -> dict:
+    """The running Python against the declared and the tested ones (status())."""
+    running = "{}.{}.{}".format(*sys.version_info[:3])
+    return {
+        "version": running,
+        "supported": str(SUPPORTED_PYTHON),
+        "tested": list(TESTED_PYTHONS),
+        "tested_here": "{}.{}".format(*sys.version_info[:2]) in TESTED_PYTHONS,
+    }
 
 
 @dataclasses.dataclass(frozen=True)

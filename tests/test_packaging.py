@@ -25,7 +25,10 @@ def _pyproject():
     path = os.path.join(REPO, "pyproject.toml")
     if not os.path.exists(path):
         pytest.skip("tests run outside the source tree")
-    import tomllib
+    try:
+        import tomllib
+    except ImportError:  # Python < 3.11: the test extra installs tomli there
+        import tomli as tomllib
 
     with open(path, "rb") as f:
         return tomllib.load(f)["project"]
@@ -42,6 +45,42 @@ def test_extras_install_the_supported_ranges(extra):
                 for line in _pyproject()["optional-dependencies"][extra]}
     for distribution, specifier in versions.SUPPORTED.items():
         assert declared[distribution] == specifier, (extra, distribution)
+
+
+def _requirements():
+    project = _pyproject()
+    return [Requirement(line) for line in project["dependencies"] + project["optional-dependencies"]["test"]]
+
+
+def test_every_dependency_declares_a_floor():
+    """.ci/matrix's floors cell pins each `name>=X` to `name==X`: a dependency
+    without a floor would go untested at its oldest; one raised there must be
+    a declared one."""
+    requirements = _requirements()
+    for req in requirements:
+        if req.name not in HOST_LIBRARIES:
+            assert any(spec.operator == ">=" for spec in req.specifier), f"{req} declares no floor"
+    names = {req.name for req in requirements}
+    for name, (version, why) in versions.FLOORS_RAISED.items():
+        assert name in names and why, name
+        declared = next(req for req in requirements if req.name == name)
+        assert declared.specifier.contains(version) and not any(
+            spec.operator == ">=" and spec.version == version for spec in declared.specifier), (name, version)
+
+
+def test_requires_python_is_the_supported_and_tested_range():
+    """requires-python is versions.SUPPORTED_PYTHON; every tested Python is in
+    it, and its oldest and newest minors are tested."""
+    from packaging.specifiers import SpecifierSet
+    from packaging.version import Version
+
+    declared = SpecifierSet(_pyproject()["requires-python"])
+    assert declared == versions.SUPPORTED_PYTHON
+    tested = sorted((Version(v) for v in versions.TESTED_PYTHONS))
+    assert all(declared.contains(v) for v in tested)
+    assert not declared.contains(Version(f"{tested[0].major}.{tested[0].minor - 1}"))
+    assert not declared.contains(Version(f"{tested[-1].major}.{tested[-1].minor + 1}"))
+    assert sys.version_info[:2] >= (tested[0].major, tested[0].minor)
 
 
 def _run(args, timeout=600, **kwargs):

@@ -12,7 +12,9 @@ import sys
 import pytest
 
 CHILD = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_random_state_child.py")
-CASES = ["diffusers-unet", "diffusers-vae", "transformers-from-config", "probes"]
+# the version matrix runs the probes (version-specific) and one load: 4 processes a version
+CASES = [pytest.param("diffusers-unet", marks=pytest.mark.matrix), "diffusers-vae", "transformers-from-config",
+         pytest.param("probes", marks=pytest.mark.matrix)]
 
 
 def run_python(args, env_extra):
@@ -57,7 +59,6 @@ def _draws(case, directory, plugin: bool):
     raise AssertionError(f"no DRAWS line; exit {proc.returncode}\n{proc.stderr[-4000:]}")
 
 
-@pytest.mark.matrix
 @pytest.mark.parametrize("case", CASES)
 def test_global_random_state_after_call_is_unpatched(case, diffusers_checkpoints):
     unpatched = _draws(case, diffusers_checkpoints, plugin=False)

@@ -6,17 +6,20 @@ Each case runs the command in a fresh process, as a user would; refused
 versions and missing packages are simulated in that process only."""
 
 import json
+import platform
 import textwrap
 
 import pytest
+from packaging.version import Version
 
 from conftest import report_of, run_python
 from ms_loadpatch import versions
 from ms_loadpatch.targets import TARGETS
 
 # The documented shape of `status --json` (README "Status").
-TOP_KEYS = {"enabled", "versions", "supported", "tested", "refusal", "untested", "libraries", "techniques",
+TOP_KEYS = {"enabled", "versions", "supported", "tested", "python", "refusal", "untested", "libraries", "techniques",
             "targets", "import", "activation", "last_build", "lazy_import"}
+PYTHON_KEYS = {"version", "supported", "tested", "tested_here"}
 LIBRARY_KEYS = {"accelerated", "reason", "advice"}
 TECHNIQUE_KEYS = {"name", "kind", "libraries", "description", "state", "reason"}
 TARGET_KEYS = {"target", "library", "public", "state", "reason"}
@@ -82,6 +85,7 @@ def test_json_has_the_documented_shape():
     assert status["import"]["errors"] == {}
     assert set(status["activation"]) == ACTIVATION_KEYS
     assert status["tested"] == {name: list(v) for name, v in versions.TESTED.items()}
+    assert set(status["python"]) == PYTHON_KEYS
     if versions.check().ok:
         assert all(v["accelerated"] is True for v in status["libraries"].values())
 
@@ -128,7 +132,7 @@ def test_refused_version_says_not_accelerated_and_what_to_do(monkeypatch):
     monkeypatch.delenv(versions.ALLOW_UNTESTED_ENV_VAR, raising=False)
     out = _status(prelude=FAKE_VERSION.format(fake={"mindspore": "2.11.0"})).stdout
     verdicts = _verdicts(out)
-    newest = max(versions.TESTED["mindspore"], key=lambda v: tuple(map(int, v.split("."))))
+    newest = max(versions.TESTED["mindspore"], key=Version)
     for library in versions.LIBRARIES:
         assert verdicts[f"mindone.{library}"].startswith(
             f"not accelerated: mindspore 2.11.0 is newer than the newest tested ({newest})"), out
@@ -159,3 +163,23 @@ def test_switched_off_says_not_enabled():
     for library in versions.LIBRARIES:
         assert _verdicts(out)[f"mindone.{library}"] == "not accelerated: ms_loadpatch is not enabled in this process"
     assert "what to do: import ms_loadpatch, set MS_LOADPATCH=1" in out
+
+
+@pytest.mark.matrix
+def test_status_names_the_running_python_and_the_tested_ones():
+    """On every matrix cell's Python: the running Python, requires-python and
+    the Pythons the tests run on; this one among them."""
+    out = _status(["--no-import"]).stdout
+    running = platform.python_version()
+    assert (f"  python {running} (supported {versions.SUPPORTED_PYTHON}; "
+            f"tested {', '.join(versions.TESTED_PYTHONS)})\n") in out, out
+    status = json.loads(_status(["--no-import", "--json"]).stdout)
+    assert status["python"] == {"version": running, "supported": str(versions.SUPPORTED_PYTHON),
+                                "tested": list(versions.TESTED_PYTHONS), "tested_here": True}
+
+
+def test_status_says_when_the_running_python_is_not_tested():
+    prelude = "from ms_loadpatch import versions\nversions.TESTED_PYTHONS = ('3.0',)\n"
+    out = _status(["--no-import"], prelude=prelude).stdout
+    minor = ".".join(platform.python_version_tuple()[:2])
+    assert f"  python {platform.python_version()} (supported {versions.SUPPORTED_PYTHON}; tested 3.0, not {minor})" in out

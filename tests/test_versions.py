@@ -50,6 +50,34 @@ def test_mindspore_range(monkeypatch, version, accepted):
         assert f"the supported range {versions.SUPPORTED['mindspore']}" in result.refusal
 
 
+@pytest.mark.matrix
+@pytest.mark.parametrize("version,accepted", [
+    ("2.7.1.post1", True), ("2.7.0.post2", True), ("2.7.1+cpu", True), ("2.7.1.post1+ascend.910b", True),
+    ("2.10.0+cpu", True), ("2.10.0.post1", True), ("2.10.1+cpu", True),
+    ("2.6.0.post1", False), ("2.6.9+cpu", False), ("2.7.0rc1", False),
+    ("2.11.0+cpu", False), ("2.11.0.post1", False), ("2.11.0rc1", False), ("2.11.0.dev0", False),
+])
+def test_post_and_local_releases_follow_their_release(monkeypatch, version, accepted):
+    """A post release (2.7.1.post1) or a local build (2.7.1+cpu) of a
+    supported release passes the gate with it; one of a refused release, or a
+    pre-release of the first refused minor, does not. On every matrix cell:
+    the packaging installed there parses and compares them the same way."""
+    monkeypatch.delenv(versions.ALLOW_UNTESTED_ENV_VAR, raising=False)
+    _fake_versions(monkeypatch, {"mindspore": version, "mindone": "0.5.0"})
+    result = versions.check()
+    assert result.ok is accepted, result.refusal
+    assert result.versions["mindspore"] == version
+    if not accepted:
+        assert f"mindspore {version} is " in result.refusal
+
+
+@pytest.mark.parametrize("version", ["0.5.0.post1", "0.5.0+local", "0.5.3"])
+def test_mindone_post_and_local_releases_pass(monkeypatch, version):
+    monkeypatch.delenv(versions.ALLOW_UNTESTED_ENV_VAR, raising=False)
+    _fake_versions(monkeypatch, {"mindspore": "2.7.1.post1", "mindone": version})
+    assert versions.check().ok
+
+
 def test_newer_than_tested_is_refused_naming_the_newest_and_the_override(monkeypatch):
     monkeypatch.delenv(versions.ALLOW_UNTESTED_ENV_VAR, raising=False)
     _fake_versions(monkeypatch, {"mindspore": "2.11.0", "mindone": "0.5.0"})
@@ -100,6 +128,26 @@ def test_tested_versions_cover_the_range_edges():
     assert all(versions.SUPPORTED["mindspore"].contains(v) for v in tested)
     assert tested[0] == Version("2.7.0")
     assert not versions.SUPPORTED["mindspore"].contains(Version(f"{tested[-1].major}.{tested[-1].minor + 1}.0"))
+
+
+def test_matrix_pythons_are_tested_and_have_the_versions():
+    """Every Python the matrix maps a mindspore to is a tested one, for a
+    tested mindspore; the floors cell is a tested version; every tested
+    Python runs some cell or, for the default, the README suite."""
+    tested = set(versions.TESTED["mindspore"])
+    assert set(versions.MATRIX_PYTHONS) <= tested
+    used = set(versions.MATRIX_PYTHONS.values()) | {versions.MATRIX_DEFAULT_PYTHON}
+    assert used == set(versions.TESTED_PYTHONS)
+    assert versions.FLOORS_CELL in tested
+    oldest = min(versions.TESTED_PYTHONS, key=Version)
+    assert versions.MATRIX_PYTHONS.get(versions.FLOORS_CELL) == oldest, "the floors run on the oldest Python"
+    assert min(tested, key=Version) == versions.FLOORS_CELL, "the floors run with the oldest mindspore"
+    # mindspore publishes no 3.12 wheel before 2.7.2, none of 2.10 for 3.9
+    for mindspore, python in versions.MATRIX_PYTHONS.items():
+        if python == "3.12":
+            assert Version(mindspore) >= Version("2.7.2"), mindspore
+        if python == "3.9":
+            assert Version(mindspore) < Version("2.10"), mindspore
 
 
 def test_tested_mindone_is_supported():
