@@ -36,6 +36,7 @@ import wrapt
 from mindspore import ops
 
 from . import common
+from .calls import argument, inside_load, with_argument
 from ..strategy import context
 from ..strategy.assign import cast_parameters, tensor_to_assign
 from ..strategy.construct import CONSTRUCTION_LOCK, lazy_construction
@@ -128,7 +129,7 @@ def no_init_parameters(wrapped, instance, args, kwargs):
 
 
 def to(wrapped, instance, args, kwargs):
-    dtype = args[0] if args else kwargs.get("dtype")
+    dtype = argument(wrapped, args, kwargs, "dtype")
     if not isinstance(dtype, ms.Type) or len(args) + len(kwargs) != 1:
         return wrapped(*args, **kwargs)
     cast_parameters(instance, dtype)
@@ -140,8 +141,8 @@ def load_state_dict(wrapped, instance, args, kwargs):
     load: plain tensors (assigned by load_shard_file); otherwise Parameters
     named by key, as mindone returns. Anything else, or a file the reader
     refuses, goes to mindone, so errors are mindone's own."""
-    checkpoint_file = args[0] if args else kwargs.get("checkpoint_file")
-    dduf_entries = args[1] if len(args) > 1 else kwargs.get("dduf_entries")
+    checkpoint_file = argument(wrapped, args, kwargs, "checkpoint_file")
+    dduf_entries = argument(wrapped, args, kwargs, "dduf_entries")
     if (
         len(args) > 3
         or set(kwargs) - {"checkpoint_file", "dduf_entries", "disable_mmap"}
@@ -166,14 +167,12 @@ def load_state_dict(wrapped, instance, args, kwargs):
 # -- internals of mindone's loading path (targets.TARGETS, diffusers "internal" rows)
 
 
-def load_pretrained_model(wrapped, instance, args, kwargs):
+@inside_load(_active)
+def load_pretrained_model(ctx, wrapped, instance, args, kwargs):
     """ModelMixin._load_pretrained_model: decide fast path or fallback once per
     load, index the model's parameters, start the parallel reader."""
-    ctx = _active()
-    if ctx is None:
-        return wrapped(*args, **kwargs)
-    model = args[0] if args else kwargs["model"]
-    files = args[2] if len(args) > 2 else kwargs.get("resolved_model_file")
+    model = argument(wrapped, args, kwargs, "model")
+    files = argument(wrapped, args, kwargs, "resolved_model_file")
     paths = [f for f in (files or []) if not isinstance(f, dict)]
     reason = next(
         (f"{f} is not a safetensors file" for f in paths if not os.fspath(f).endswith(".safetensors")), None
@@ -187,20 +186,17 @@ def load_pretrained_model(wrapped, instance, args, kwargs):
     if reason is not None:
         logger.debug("ms_loadpatch: %s loads unpatched: %s", type(model).__name__, reason)
         ctx.state.fallback_reason = reason
-        state_dict = args[1] if len(args) > 1 else kwargs.get("state_dict")
+        state_dict = argument(wrapped, args, kwargs, "state_dict")
         if state_dict:  # read by our load_state_dict as tensors; mindone's loader wants Parameters of the file's values
             registry = ctx.state.cast_at_read
             state_dict = {k: v if isinstance(v, ms.Parameter) else ms.Parameter(registry.as_in_file(v, ctx.report),
                                                                                   name=k)
                           for k, v in state_dict.items()}
-            if len(args) > 1:
-                args = (args[0], state_dict) + tuple(args[2:])
-            else:
-                kwargs = dict(kwargs, state_dict=state_dict)
+            args, kwargs = with_argument(wrapped, args, kwargs, "state_dict", state_dict)
         return wrapped(*args, **kwargs)
     ctx.state.parameter_index = (model, index)
     result = wrapped(*args, **kwargs)
-    loaded_keys = args[4] if len(args) > 4 else kwargs.get("loaded_keys")
+    loaded_keys = argument(wrapped, args, kwargs, "loaded_keys")
     if len(paths) > 1:  # mindone leaves a weight no shard holds lazy, to be randomly initialised
         common.check_index_against_shards(ctx, paths, loaded_keys or (), lambda: _weight_map(paths))
     ctx.state.load_done = True
@@ -228,8 +224,8 @@ def load_shard_file(wrapped, instance, args, kwargs):
     ctx = _active()
     if ctx is None or ctx.state.parameter_index is None:
         return wrapped(*args, **kwargs)
-    shard_file = args[0] if args else kwargs["shard_file"]
-    model = kwargs["model"]
+    shard_file = argument(wrapped, args, kwargs, "shard_file")
+    model = argument(wrapped, args, kwargs, "model")
     owner, index = ctx.state.parameter_index
     if owner is not model:
         return wrapped(*args, **kwargs)
@@ -241,23 +237,25 @@ def load_shard_file(wrapped, instance, args, kwargs):
         path = shard_file
     with file_named_in_errors(path):  # whatever fails with this file's tensors names it
         mismatched_keys = sys.modules[_LOADING_MODULE]._find_mismatched_keys(
-            state_dict, kwargs["model_state_dict"], kwargs.get("loaded_keys"),
-            kwargs.get("ignore_mismatched_sizes", False)
+            state_dict, argument(wrapped, args, kwargs, "model_state_dict"),
+            argument(wrapped, args, kwargs, "loaded_keys"),
+            argument(wrapped, args, kwargs, "ignore_mismatched_sizes", False)
         )
         with ctx.report.phase("assign"):
             try:
-                _assign(ctx, index, state_dict, kwargs.get("dtype"), kwargs.get("keep_in_fp32_modules"))
+                _assign(ctx, index, state_dict, argument(wrapped, args, kwargs, "dtype"),
+                        argument(wrapped, args, kwargs, "keep_in_fp32_modules"))
             finally:
                 ctx.state.cast_at_read.clear()  # tensors not assigned (unexpected keys) are freed
-    return kwargs.get("offload_index"), kwargs.get("state_dict_index"), mismatched_keys, []
+    return (argument(wrapped, args, kwargs, "offload_index"), argument(wrapped, args, kwargs, "state_dict_index"),
+            mismatched_keys, [])
 
 
-def convert_state_dict(wrapped, instance, args, kwargs):
+@inside_load(_active)
+def convert_state_dict(ctx, wrapped, instance, args, kwargs):
     """mindone's _convert_state_dict, tolerating plain tensors (a Conv1d mapping reads `.name`)."""
-    ctx = _active()
-    if ctx is None:
-        return wrapped(*args, **kwargs)
-    model, state_dict_pt = args[0], args[1]
+    model = argument(wrapped, args, kwargs, "m")
+    state_dict_pt = argument(wrapped, args, kwargs, "state_dict_pt")
     if not state_dict_pt:
         return state_dict_pt
     mappings = _modeling_utils()._get_pt2ms_mappings(model)

@@ -19,6 +19,7 @@ import mindspore as ms
 import wrapt
 
 from . import common
+from .calls import argument, inside_load
 from ..strategy import cellpasses, context
 from ..strategy.assign import assign, cast_parameters, cell_to_keeping_lazy, check_and_pair
 from ..strategy.building import window
@@ -102,7 +103,7 @@ def _resolved_archive_file(exc, wrapped):
 
 
 def to(wrapped, instance, args, kwargs):
-    dtype = args[0] if args else kwargs.get("dtype")
+    dtype = argument(wrapped, args, kwargs, "dtype")
     if dtype is None or len(args) > 1 or set(kwargs) - {"dtype"}:
         return wrapped(*args, **kwargs)
     cast_parameters(instance, dtype)
@@ -118,7 +119,7 @@ def cell_to(wrapped, instance, args, kwargs):
     ctx = context.current()
     if ctx is None or ctx.report.library != "transformers" or len(args) + len(kwargs) != 1:
         return wrapped(*args, **kwargs)
-    dtype = args[0] if args else kwargs.get("dtype")
+    dtype = args[0] if args else kwargs.get("dtype")  # Cell.to(*args, **kwargs): its documented to(dtype)
     # other dtypes: Cell.to raises (or warns, for complex) before reading anything
     if dtype not in ms.common.dtype.float_type:
         return wrapped(*args, **kwargs)
@@ -128,7 +129,7 @@ def cell_to(wrapped, instance, args, kwargs):
 
 
 def load_state_dict(wrapped, instance, args, kwargs):
-    checkpoint_file = args[0] if args else kwargs.get("checkpoint_file")
+    checkpoint_file = argument(wrapped, args, kwargs, "checkpoint_file")
     if len(args) + len(kwargs) != 1 or not os.fspath(checkpoint_file).endswith(".safetensors"):
         logger.debug("ms_loadpatch: %s is not safetensors: left to mindone's load_state_dict", checkpoint_file)
         return wrapped(*args, **kwargs)  # not a format the fast reader knows: mindone decides
@@ -203,22 +204,21 @@ def cell_set_train(wrapped, instance, args, kwargs):
     model: inside an accelerated transformers load, cellpasses.set_train (the
     same flags on the same cells); anywhere else, mindspore's own."""
     ctx = context.current()
-    mode = args[0] if args else kwargs.get("mode", True)
-    if (ctx is None or ctx.report.library != "transformers" or len(args) + len(kwargs) > 1
-            or set(kwargs) - {"mode"} or type(mode) is not bool or not cellpasses.active()):
+    if ctx is None or ctx.report.library != "transformers" or len(args) + len(kwargs) > 1 or set(kwargs) - {"mode"}:
+        return wrapped(*args, **kwargs)
+    mode = argument(wrapped, args, kwargs, "mode", True)
+    if type(mode) is not bool or not cellpasses.active():
         return wrapped(*args, **kwargs)
     cellpasses.set_train(instance, mode)
     return instance
 
 
-def load_pretrained_model(wrapped, instance, args, kwargs):
-    ctx = context.current()
-    if ctx is None:
-        return wrapped(*args, **kwargs)
+@inside_load(context.current)
+def load_pretrained_model(ctx, wrapped, instance, args, kwargs):
     ctx.close_construction()  # a model whose __init__ never reached post_init
-    files = args[3] if len(args) > 3 else kwargs.get("resolved_archive_file")
+    files = argument(wrapped, args, kwargs, "resolved_archive_file")
     result = wrapped(*args, **kwargs)
-    sharded_metadata = kwargs.get("sharded_metadata", args[6] if len(args) > 6 else None)
+    sharded_metadata = argument(wrapped, args, kwargs, "sharded_metadata")
     if sharded_metadata and isinstance(files, list):  # mindone leaves a weight no shard holds randomly initialised
         common.check_index_against_shards(ctx, files, sharded_metadata.get("all_checkpoint_keys", ()),
                                           lambda: sharded_metadata.get("weight_map") or {})
@@ -236,7 +236,7 @@ def pt2ms_mappings(wrapped, instance, args, kwargs):
     conversion (convert_state_dict) again. It reads cell names and classes,
     which nothing between the two changes; both only read the result."""
     ctx = context.current()
-    if ctx is None or len(args) != 1 or kwargs:
+    if ctx is None or len(args) != 1 or kwargs:  # the call form the cache is keyed on
         return wrapped(*args, **kwargs)
     cache = ctx.state.pt2ms_mappings
     if id(args[0]) not in cache:
@@ -244,13 +244,12 @@ def pt2ms_mappings(wrapped, instance, args, kwargs):
     return cache[id(args[0])]
 
 
-def convert_state_dict(wrapped, instance, args, kwargs):
+@inside_load(context.current)
+def convert_state_dict(ctx, wrapped, instance, args, kwargs):
     """mindone's _convert_state_dict with the per-model walks done once per load, not once per shard."""
-    ctx = context.current()
-    if ctx is None:
-        return wrapped(*args, **kwargs)
-    model, state_dict_pt = args[0], args[1]
-    prefix = args[2] if len(args) > 2 else kwargs.get("prefix", "")
+    model = argument(wrapped, args, kwargs, "m")
+    state_dict_pt = argument(wrapped, args, kwargs, "state_dict_pt")
+    prefix = argument(wrapped, args, kwargs, "prefix", "")
     if not state_dict_pt:
         return state_dict_pt
     with ctx.report.phase("convert-keys"):
@@ -283,12 +282,11 @@ def convert_state_dict(wrapped, instance, args, kwargs):
     return converted
 
 
-def load_state_dict_into_model(wrapped, instance, args, kwargs):
-    ctx = context.current()
-    if ctx is None:
-        return wrapped(*args, **kwargs)
-    model_to_load, state_dict = args[0], args[1]
-    start_prefix = args[2] if len(args) > 2 else kwargs.get("start_prefix", "")
+@inside_load(context.current)
+def load_state_dict_into_model(ctx, wrapped, instance, args, kwargs):
+    model_to_load = argument(wrapped, args, kwargs, "model_to_load")
+    state_dict = argument(wrapped, args, kwargs, "state_dict")
+    start_prefix = argument(wrapped, args, kwargs, "start_prefix", "")
     with ctx.report.phase("assign"):
         indexes = ctx.state.assign_index
         if id(model_to_load) not in indexes:
