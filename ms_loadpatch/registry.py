@@ -64,7 +64,9 @@ def status_rows() -> list[dict]:
 
 
 def _lazy_construction_active(rows) -> bool:
-    return any(r["name"] == "lazy-construction" and r["state"] == "active" for r in rows)
+    from .strategy.verdict import ACTIVE
+
+    return any(r["name"] == "lazy-construction" and r["state"] == ACTIVE for r in rows)
 
 
 def last_build() -> dict | None:

@@ -168,7 +168,7 @@ FEATURES = {
 }
 
 
-# --- lazy import of mindone.transformers (lazy_import.py, issue #26)
+# --- lazy import of mindone.transformers (lazy_import.py)
 #
 # mindone 0.5's `mindone/transformers/__init__.py` and `models/__init__.py`
 # import every public class with plain relative imports (no lazy scheme of
@@ -259,7 +259,9 @@ class Techniques:
         return f"mindspore {self.mindspore} cannot take the fast path: {'; '.join(self.problems)}"
 
     def rows(self) -> list[dict]:
-        """The techniques with their probe results, for status()."""
+        """The techniques with their probe results, for status() (strategy.verdict's row shape)."""
+        from .strategy.verdict import ACTIVE, SKIPPED
+
         everywhere = "; ".join(self.problems)
         rows = [
             {"name": "lazy-construction", "libraries": list(LIBRARIES), "description": self.construct},
@@ -268,13 +270,13 @@ class Techniques:
             {"name": "cast", "libraries": list(LIBRARIES), "description": self.cast},
         ]
         for row in rows:
-            row.update(state="skipped" if everywhere else "active", reason=everywhere)
+            row.update(state=SKIPPED if everywhere else ACTIVE, reason=everywhere)
         if self.features.get("cell_to"):
             own = "; ".join(p for name, p in self.library_problems if name == "transformers" and "Cell.to" in p)
             rows.append({"name": "cell-to-keeping-lazy", "libraries": ["transformers"],
                          "description": "nn.Cell.to inside an accelerated load leaves lazy parameters unread "
                                         "(probed against nn.Cell.to)",
-                         "state": "skipped" if own or everywhere else "active", "reason": own or everywhere})
+                         "state": SKIPPED if own or everywhere else ACTIVE, "reason": own or everywhere})
         return rows
 
     def refusal_for(self, library: str) -> str | None:

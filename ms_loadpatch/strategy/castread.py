@@ -33,7 +33,7 @@ import threading
 
 import numpy as np
 
-from . import randomstate, switch
+from . import randomstate, switch, verdict
 from .reader import (CheckpointError, checkpoint_os_error, data_buffer, read_header_from, read_into, read_threads,
                      run_in_threads, unchanged_file)
 
@@ -170,9 +170,10 @@ def _nan_recipe(values, want, differ):
 def technique_status() -> dict:
     """status()'s row: the dtype pairs cast while reading (probe passed) and
     those left to Tensor.set_dtype, with why. Runs the probes."""
-    row = {"name": NAME, "libraries": ["transformers", "diffusers"], "description": DESCRIPTION}
+    libraries = ["transformers", "diffusers"]
     if switched_off():
-        return {**row, "state": "off", "reason": switch.reason_off()}
+        return verdict.row_off(NAME, libraries, DESCRIPTION)
+    row = {"name": NAME, "libraries": libraries, "description": DESCRIPTION}
     floating = _floating()
     passed, failed = [], []
     for source in floating:
@@ -185,7 +186,7 @@ def technique_status() -> dict:
                 pair += f" (NaNs as set_dtype makes them: {nan_bits[0]:#x} / {nan_bits[1]:#x})"
             (passed.append(pair) if problem is None else failed.append(f"{pair}: {problem}"))
     row["description"] += "; for " + (", ".join(passed) or "no dtype pair")
-    return {**row, "state": "active" if passed else "skipped",
+    return {**row, "state": verdict.ACTIVE if passed else verdict.SKIPPED,
             "reason": ("left to Tensor.set_dtype: " + "; ".join(failed)) if failed else ""}
 
 

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import threading
 
-from . import randomstate, switch
+from . import randomstate, switch, verdict
 
 NAME = "cell-passes"
 DESCRIPTION = ("the per-cell passes after a transformers build (the init flag, tie_weights' hasattr, "
@@ -189,12 +189,11 @@ def _code_problem(function, known: set) -> str | None:
 
     if callable(function):
         function = inspect.unwrap(function)  # mindspore's own, under a wrapper (set_train's is ms_loadpatch's)
-    code = getattr(function, "__code__", None)
-    if code is None:
+    unknown = verdict.unknown_globals(function, known)
+    if unknown is None:
         return f"{getattr(function, '__qualname__', function)} is not a Python function"
-    unknown = sorted(set(code.co_names) - known)
     if unknown:
-        return f"nn.Cell.{code.co_name} refers to {', '.join(unknown)}"
+        return f"nn.Cell.{function.__code__.co_name} refers to {', '.join(unknown)}"
     return None
 
 
@@ -268,10 +267,7 @@ def _compare_twins(nn) -> str | None:
 
 def technique_status() -> dict:
     """status()'s row; runs the probe."""
-    row = {"name": NAME, "libraries": ["transformers"], "description": DESCRIPTION}
     if switched_off():
-        return {**row, "state": "off", "reason": switch.reason_off()}
-    reason = probe()
-    if reason is None:
-        return {**row, "state": "active", "reason": "probe passed: twin trees answer and end up alike"}
-    return {**row, "state": "skipped", "reason": f"probe failed: {reason}"}
+        return verdict.row_off(NAME, ["transformers"], DESCRIPTION)
+    return verdict.row(NAME, ["transformers"], DESCRIPTION, probe(),
+                       passed="probe passed: twin trees answer and end up alike")

@@ -16,7 +16,7 @@ from __future__ import annotations
 import contextlib
 import threading
 
-from .. import gcpause, randomstate, switch
+from .. import gcpause, randomstate, switch, verdict
 from . import window
 from .cell_init_template import CellInitTemplate
 from .flat_name_walk import FlatNameWalk
@@ -27,7 +27,7 @@ from .probe import run_probes
 from .signature_cache import SignatureCache
 from .sibling_clone import SiblingClone
 
-ACTIVE, SKIPPED, OFF = "active", "skipped", "off"
+from ..verdict import ACTIVE, OFF, SKIPPED  # noqa: F401  (status rows' states, for callers of this package)
 
 _FLAT_NAME_WALK = FlatNameWalk()
 TECHNIQUES = (CellInitTemplate(), SignatureCache(), PrimitiveDefaults(), _FLAT_NAME_WALK, SiblingClone(), GcPause(),
@@ -80,19 +80,15 @@ def switched_off() -> set[str]:
 
 
 def technique_status() -> list[dict]:
-    """One row per technique: name, description, state (active / skipped /
-    off) and the reason. Runs the probes (once per process); needs mindspore."""
+    """One verdict.row per technique (its libraries left to the registry,
+    which knows them). Runs the probes (once per process); needs mindspore."""
     rows = []
     for technique in TECHNIQUES:
         if switch.is_off(technique.name):
-            rows.append({"name": technique.name, "description": technique.description, "state": OFF,
-                         "reason": switch.reason_off()})
-            continue
-        reason = probe_result(technique)
-        rows.append({"name": technique.name, "description": technique.description,
-                     "state": ACTIVE if reason is None else SKIPPED,
-                     "reason": "probe passed: the probe model is identical with and without it" if reason is None
-                     else f"probe failed: {reason}"})
+            rows.append(verdict.row_off(technique.name, None, technique.description))
+        else:
+            rows.append(verdict.row(technique.name, None, technique.description, probe_result(technique),
+                                    passed="probe passed: the probe model is identical with and without it"))
     return rows
 
 

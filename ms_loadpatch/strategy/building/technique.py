@@ -5,6 +5,7 @@ from __future__ import annotations
 import threading
 
 from . import window
+from .. import verdict
 
 
 class ProbeFailed(Exception):
@@ -56,10 +57,9 @@ def cell_method(name: str, known_names: frozenset):
     from mindspore import nn
 
     original = vars(nn.Cell).get(name)
-    code = getattr(original, "__code__", None)
-    if code is None:
+    unknown = verdict.unknown_globals(original, known_names)
+    if unknown is None:
         raise ProbeFailed(f"nn.Cell.{name} is not a Python function")
-    unknown = sorted(set(code.co_names) - known_names)
     if unknown:
         raise ProbeFailed(f"nn.Cell.{name} refers to {', '.join(unknown)}: side effects this technique does "
                           "not reproduce")
