@@ -1,4 +1,4 @@
-"""Benchmark: time to model, the wait of a user's script (issue #26).
+"""Benchmark: time to model, the wait of a user's script.
 
 Each run is a fresh process; times are medians over --repeats, the sides
 alternating. Unpatched: MS_LOADPATCH=0 and no `import ms_loadpatch` (eager

@@ -1,4 +1,4 @@
-"""Lazy `mindone.transformers` and `mindone.transformers.models` (issue #26).
+"""Lazy `mindone.transformers` and `mindone.transformers.models`.
 
 Their `__init__`s import every public class with plain relative imports, so
 any use of the library imports ~800 modules. With the plugin enabled before

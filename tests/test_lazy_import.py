@@ -1,4 +1,4 @@
-"""Lazy `mindone.transformers` / `mindone.transformers.models` (issue #26).
+"""Lazy `mindone.transformers` / `mindone.transformers.models`.
 
 The eager import is the reference: in fresh processes (tests/_lazy_probe.py),
 the same names resolve to the same objects, dir() (before any access, after
