@@ -173,25 +173,16 @@ class _Patcher:
                 if target.kind == "proxy":
                     handle = wrapt.wrap_object(module, target.path, _resolve_wrapper(target.wrapper))
                 else:
-                    wrapper = self._gated(_resolve_wrapper(target.wrapper))
-                    handle = wrapt.wrap_function_wrapper(module, target.path, wrapper)
+                    # enabled: a copy bound elsewhere by name keeps the wrapper after
+                    # disable(); wrapt then calls the original straight through
+                    handle = wrapt.wrap_object(module, target.path, wrapt.FunctionWrapper,
+                                               (_resolve_wrapper(target.wrapper),), {"enabled": self.is_enabled})
                 self._handles[target.key] = handle
             except Exception as exc:  # a missing attribute must not break the user's import
                 self._states[target.key] = (SKIPPED, f"cannot patch: {exc}")
                 logger.warning("ms_loadpatch: %s not patched: %s", target.key, exc)
                 continue
             self._states[target.key] = (PATCHED, "")
-
-    def _gated(self, wrapper):
-        # A copy bound elsewhere by name keeps the wrapper after disable();
-        # it then calls straight through.
-        def gated(wrapped, instance, args, kwargs):
-            if not self._enabled:
-                return wrapped(*args, **kwargs)
-            return wrapper(wrapped, instance, args, kwargs)
-
-        gated.__name__ = getattr(wrapper, "__name__", "gated")
-        return gated
 
     def _strip_own_wrapper(self, module, target: Target) -> None:
         """A name bound by `from x import f` after x.f was patched holds our
