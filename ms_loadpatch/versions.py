@@ -222,7 +222,7 @@ LAZY_IMPORT_SIDE_EFFECTS: dict[str, tuple[str, ...]] = {
 # too (targets.py, feature "cell_to"), checked by _probe_cell_to below.
 # The diffusers glue casts a checkpoint straight to the final dtype where
 # mindone's two steps through the construction dtype give the same values
-# (glue/diffusers.py _EXACT_WIDENING): for fp16 <-> bf16 checked exhaustively
+# (strategy/assign.py EXACT_WIDENING): for fp16 <-> bf16 checked exhaustively
 # (all 65536 values) on 2.7.1 CPU. Keep-in-fp32 module lists
 # are empty in mindone 0.5.0's diffusers models; the glue honours them anyway.
 # Fast construction (strategy/building/) reproduces nn.Cell.__init__ and

@@ -307,7 +307,7 @@ def test_report_reads_its_build_under_the_construction_lock(models, monkeypatch,
     assert context.last_report() is report and report.fast_construction_from == 0
 
 
-@pytest.mark.parametrize("name, pause_at", [("qwen2", (glue_tf, "assign")), ("unet", (glue_df, "_assign"))],
+@pytest.mark.parametrize("name, pause_at", [("qwen2", (glue_tf, "assign")), ("unet", (glue_df, "assign_in_final_dtype"))],
                          ids=["transformers", "diffusers"])
 def test_disable_during_in_flight_load(models, monkeypatch, name, pause_at):
     """disable() from another thread while a load is between two shards: the

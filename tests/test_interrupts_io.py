@@ -112,17 +112,17 @@ def _interrupt_at(point, library, monkeypatch, interrupt, slow_read_seconds=0.5)
 
             monkeypatch.setattr(tf_glue, "assign", assign)
         else:
-            real_assign = df_glue._assign
+            real_assign = df_glue.assign_in_final_dtype
 
-            def assign(ctx, index, state_dict, *rest):
+            def assign(index, state_dict, *rest):
                 names = list(state_dict)
-                real_assign(ctx, index, {n: state_dict[n] for n in names[: len(names) // 2]}, *rest)
+                real_assign(index, {n: state_dict[n] for n in names[: len(names) // 2]}, *rest)
                 interrupt.hit()
-                real_assign(ctx, index, {n: state_dict[n] for n in names[len(names) // 2 :]}, *rest)
+                real_assign(index, {n: state_dict[n] for n in names[len(names) // 2 :]}, *rest)
 
-            monkeypatch.setattr(df_glue, "_assign", assign)
+            monkeypatch.setattr(df_glue, "assign_in_final_dtype", assign)
     elif point == "init-missing":  # while the weights the checkpoint lacks are initialised
-        module, name = (tf_glue, "initialize_unloaded") if library == "tf" else (df_glue, "_initialise_lazy")
+        module, name = (tf_glue, "initialize_unloaded") if library == "tf" else (df_glue, "initialise_lazy")
         real_init = getattr(module, name)
 
         def initialize(*args, **kwargs):

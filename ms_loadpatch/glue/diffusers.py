@@ -33,15 +33,13 @@ import sys
 
 import mindspore as ms
 import wrapt
-from mindspore import ops
 
 from . import common
 from .calls import argument, inside_load, with_argument
 from ..strategy import context
-from ..strategy.assign import cast_parameters, tensor_to_assign
+from ..strategy.assign import assign_in_final_dtype, cast_parameters, initialise_lazy, parameter_index
 from ..strategy.construct import CONSTRUCTION_LOCK, lazy_construction
 from ..strategy.reader import CheckpointError, file_named_in_errors
-from ..strategy.tensors import cast
 
 logger = logging.getLogger("ms_loadpatch")
 _MODULE = "mindone.diffusers.models.modeling_utils"
@@ -52,17 +50,6 @@ _LOADING_PATH = ("_load_pretrained_model", "_fix_state_dict_keys_on_load", "to",
 # kwargs mindone hands to other code paths, or that the fast path does not model
 _FALLBACK_KWARGS = ("from_flax", "dduf_entries", "device_map", "quantization_config", "state_dict")
 _TECHNIQUE = "lazy construction, set_dtype on lazy params, set_data from owned read buffer, one set_dtype cast"
-
-# Casts whose first step loses nothing: casting straight to the final dtype
-# gives what mindone's two steps (checkpoint -> construction dtype -> final) give.
-# For fp16 and bf16 checkpoints this was checked value by value (versions.py).
-_EXACT_WIDENING = {
-    (ms.float16, ms.float32), (ms.bfloat16, ms.float32), (ms.float16, ms.float64),
-    (ms.bfloat16, ms.float64), (ms.float32, ms.float64),
-    (ms.int8, ms.int16), (ms.int8, ms.int32), (ms.int8, ms.int64),
-    (ms.int16, ms.int32), (ms.int16, ms.int64), (ms.int32, ms.int64),
-}
-
 
 def _modeling_utils():
     return sys.modules[_MODULE]
@@ -112,7 +99,7 @@ def _finish(ctx, result) -> None:
         report.technique = "fallback to mindone: its loading path did not run"
     else:
         with report.phase("init-missing"):
-            report.cells_reinitialised = _initialise_lazy(model)
+            report.cells_reinitialised = initialise_lazy(model)
 
 
 def no_init_parameters(wrapped, instance, args, kwargs):
@@ -180,7 +167,7 @@ def load_pretrained_model(ctx, wrapped, instance, args, kwargs):
     index = None
     if reason is None:
         with ctx.report.phase("index"):
-            index = _parameter_index(model)
+            index = parameter_index(model)
         if index is None:
             reason = "parameter names differ from their structural names"
     if reason is not None:
@@ -243,8 +230,9 @@ def load_shard_file(wrapped, instance, args, kwargs):
         )
         with ctx.report.phase("assign"):
             try:
-                _assign(ctx, index, state_dict, argument(wrapped, args, kwargs, "dtype"),
-                        argument(wrapped, args, kwargs, "keep_in_fp32_modules"))
+                assign_in_final_dtype(index, state_dict, argument(wrapped, args, kwargs, "dtype"),
+                                      argument(wrapped, args, kwargs, "keep_in_fp32_modules"), ctx.report,
+                                      ctx.state.cast_at_read)
             finally:
                 ctx.state.cast_at_read.clear()  # tensors not assigned (unexpected keys) are freed
     return (argument(wrapped, args, kwargs, "offload_index"), argument(wrapped, args, kwargs, "state_dict_index"),
@@ -310,75 +298,3 @@ def _local_checkpoint_files(args, kwargs) -> common.CheckpointFiles:
         os.path.join(root, named("diffusion_pytorch_model.safetensors")),
         os.path.join(root, subfolder, named("diffusion_pytorch_model.safetensors")) if subfolder else None,
     ])
-
-
-def _parameter_index(model):
-    """name -> (parameter, construction dtype), or None when some parameter's
-    name is not its structural name (mindone's loader matches by `param.name`,
-    its cast by structural name: then only mindone's loader is faithful)."""
-    index = {}
-    for key, param in model.parameters_and_names():
-        if param.name != key or key in index:
-            return None
-        index[key] = (param, param.dtype)
-    return index
-
-
-def _assign(ctx, index, state_dict, dtype, keep_in_fp32_modules) -> None:
-    """What mindone's _load_state_dict_into_model + load_param_into_net +
-    model.to(dtype) leave in each parameter, with one cast at most."""
-    report, registry = ctx.report, ctx.state.cast_at_read
-    for key, value in state_dict.items():
-        entry = index.get(key)
-        if entry is None:  # unexpected key: mindone's loader ignores it too
-            continue
-        param, construction_dtype = entry
-        origin = registry.pop(value)
-        if value.shape != param.shape:
-            raise RuntimeError(
-                f"For 'load_param_into_net', {key} in the argument 'net' should have the same shape "
-                f"as {key} in the argument 'parameter_dict'. But got its shape {param.shape} in"
-                f" the argument 'net' and shape {value.shape} in the argument 'parameter_dict'."
-                f"May you need to check whether the checkpoint you loaded is correct or the batch size and "
-                f"so on in the 'net' and 'parameter_dict' are same."
-            )
-        # mindone first casts to the parameter's dtype (fp32 for keep-in-fp32 keys)
-        loaded_dtype = construction_dtype
-        if keep_in_fp32_modules and ops.is_floating_point(value):
-            if any(module in key.split(".") for module in keep_in_fp32_modules):
-                loaded_dtype = ms.float32
-        final = dtype if dtype is not None else loaded_dtype
-        cast_while_reading = False
-        if origin is not None:
-            source = origin.source_dtype()
-            # unpatched: file -> loaded_dtype -> final; one cast file -> final when either step is no step
-            one_step = source == loaded_dtype or (source, loaded_dtype) in _EXACT_WIDENING or loaded_dtype == final
-            cast_while_reading = one_step and value.dtype == final
-            value = tensor_to_assign(origin, value, cast_while_reading, report)
-        if not cast_while_reading:
-            if value.dtype != loaded_dtype and (value.dtype, loaded_dtype) not in _EXACT_WIDENING:
-                value = cast(value, loaded_dtype)  # a lossy first step must be reproduced
-                report.tensors_cast += 1
-            if value.dtype != final:
-                value = cast(value, final)
-                report.tensors_cast += 1
-        if param.dtype != final:
-            param.set_dtype(final)  # lazy: metadata only; otherwise a cast set_data then overwrites
-        param.set_data(value)  # not assign.fill: mindone's diffusers load keeps the initializer (init_mode) too
-        report.tensors_assigned += 1
-
-
-def _initialise_lazy(model) -> int:
-    """Give every parameter still lazy (not in the checkpoint) its initializer's
-    value now, in its current dtype; mindone would do it at first use."""
-    count = 0
-    seen = set()
-    for _, cell in model.cells_and_names():
-        if id(cell) in seen:
-            continue
-        seen.add(id(cell))
-        lazy = [p for p in cell._params.values() if p is not None and p.has_init]
-        for param in lazy:
-            param.init_data()
-        count += bool(lazy)
-    return count

@@ -6,6 +6,7 @@ tensor's storage without a copy and clears its lazy state."""
 from __future__ import annotations
 
 import mindspore as ms
+from mindspore import ops
 
 from .tensors import cast, to_tensor
 
@@ -151,3 +152,89 @@ def cell_to_keeping_lazy(cell, dtype, skip_untouched: bool = True):
 
     apply(cell)
     return cell
+
+
+# -- diffusers: parameters by name, in the final dtype
+
+# Casts whose first step loses nothing: casting straight to the final dtype
+# gives what mindone's two steps (checkpoint -> construction dtype -> final) give.
+# For fp16 and bf16 checkpoints this was checked value by value (versions.py).
+EXACT_WIDENING = {
+    (ms.float16, ms.float32), (ms.bfloat16, ms.float32), (ms.float16, ms.float64),
+    (ms.bfloat16, ms.float64), (ms.float32, ms.float64),
+    (ms.int8, ms.int16), (ms.int8, ms.int32), (ms.int8, ms.int64),
+    (ms.int16, ms.int32), (ms.int16, ms.int64), (ms.int32, ms.int64),
+}
+
+
+def parameter_index(model):
+    """name -> (parameter, construction dtype), or None when some parameter's
+    name is not its structural name (mindone's loader matches by `param.name`,
+    its cast by structural name: then only mindone's loader is faithful)."""
+    index = {}
+    for key, param in model.parameters_and_names():
+        if param.name != key or key in index:
+            return None
+        index[key] = (param, param.dtype)
+    return index
+
+
+def assign_in_final_dtype(index, state_dict, dtype, keep_in_fp32_modules, report, registry) -> None:
+    """What mindone diffusers' _load_state_dict_into_model + load_param_into_net +
+    model.to(dtype) leave in each parameter of `index` (parameter_index), with
+    one cast at most. `registry` (a castread.CastRegistry) lists the tensors
+    cast while reading."""
+    for key, value in state_dict.items():
+        entry = index.get(key)
+        if entry is None:  # unexpected key: mindone's loader ignores it too
+            continue
+        param, construction_dtype = entry
+        origin = registry.pop(value)
+        if value.shape != param.shape:
+            raise RuntimeError(
+                f"For 'load_param_into_net', {key} in the argument 'net' should have the same shape "
+                f"as {key} in the argument 'parameter_dict'. But got its shape {param.shape} in"
+                f" the argument 'net' and shape {value.shape} in the argument 'parameter_dict'."
+                f"May you need to check whether the checkpoint you loaded is correct or the batch size and "
+                f"so on in the 'net' and 'parameter_dict' are same."
+            )
+        # mindone first casts to the parameter's dtype (fp32 for keep-in-fp32 keys)
+        loaded_dtype = construction_dtype
+        if keep_in_fp32_modules and ops.is_floating_point(value):
+            if any(module in key.split(".") for module in keep_in_fp32_modules):
+                loaded_dtype = ms.float32
+        final = dtype if dtype is not None else loaded_dtype
+        cast_while_reading = False
+        if origin is not None:
+            source = origin.source_dtype()
+            # unpatched: file -> loaded_dtype -> final; one cast file -> final when either step is no step
+            one_step = source == loaded_dtype or (source, loaded_dtype) in EXACT_WIDENING or loaded_dtype == final
+            cast_while_reading = one_step and value.dtype == final
+            value = tensor_to_assign(origin, value, cast_while_reading, report)
+        if not cast_while_reading:
+            if value.dtype != loaded_dtype and (value.dtype, loaded_dtype) not in EXACT_WIDENING:
+                value = cast(value, loaded_dtype)  # a lossy first step must be reproduced
+                report.tensors_cast += 1
+            if value.dtype != final:
+                value = cast(value, final)
+                report.tensors_cast += 1
+        if param.dtype != final:
+            param.set_dtype(final)  # lazy: metadata only; otherwise a cast set_data then overwrites
+        param.set_data(value)  # not assign.fill: mindone's diffusers load keeps the initializer (init_mode) too
+        report.tensors_assigned += 1
+
+
+def initialise_lazy(model) -> int:
+    """Give every parameter still lazy (not in the checkpoint) its initializer's
+    value now, in its current dtype; mindone would do it at first use."""
+    count = 0
+    seen = set()
+    for _, cell in model.cells_and_names():
+        if id(cell) in seen:
+            continue
+        seen.add(id(cell))
+        lazy = [p for p in cell._params.values() if p is not None and p.has_init]
+        for param in lazy:
+            param.init_data()
+        count += bool(lazy)
+    return count
