@@ -1,8 +1,9 @@
 """The one place that knows versions: supported ranges, the versions the
-matrix runs, feature probes and the technique each installed mindspore gets.
+matrix runs, and the technique each installed mindspore gets (from the
+probes of api_probes.py).
 
 Versions are read from package metadata, so the gate never imports
-mindspore or mindone itself; feature probes run only once mindspore is
+mindspore or mindone itself; the probes run only once mindspore is
 imported (when a target module is, since mindone imports mindspore).
 """
 
@@ -215,11 +216,11 @@ LAZY_IMPORT_SIDE_EFFECTS: dict[str, tuple[str, ...]] = {
 #     swaps, leaves a lazy parameter lazy: its initializer would win);
 #   - 2.9+ docstrings announce the deprecation of `no_init_parameters`; it
 #     still works on 2.10 (no runtime warning). When a release drops it, the
-#     probe below reports it and targets are skipped, not half-applied.
+#     API probe (api_probes.py) reports it and targets are skipped, not half-applied.
 # 2.10 adds `nn.Cell.to`, which mindone.transformers models resolve before
 # mindone's ModuleUtilsMixin.to (PreTrainedModel lists nn.Cell first) and
 # which segfaults on a lazily built parameter: the transformers glue wraps it
-# too (targets.py, feature "cell_to"), checked by _probe_cell_to below.
+# too (targets.py, feature "cell_to"), checked by api_probes._probe_cell_to.
 # The diffusers glue casts a checkpoint straight to the final dtype where
 # mindone's two steps through the construction dtype give the same values
 # (strategy/assign.py EXACT_WIDENING): for fp16 <-> bf16 checked exhaustively
@@ -288,209 +289,16 @@ class Techniques:
                 f"{'; '.join(self.problems + own)}")
 
 
-# mindone's ModuleUtilsMixin methods that targets.py patches; PreTrainedModel
-# lists nn.Cell first among its bases, so a Cell method of the same name wins.
-# Only `to` (mindspore 2.10+) has a wrapper of its own (glue.transformers.cell_to).
-_MIXIN_METHODS = ("to", "half", "float")
-
-
-def _probe_bfloat16(ms) -> str | None:
-    """None when a numpy array of np_dtype.bfloat16 becomes a BFloat16 tensor."""
-    try:
-        import numpy as np
-        from mindspore.common import np_dtype
-
-        bf16 = np_dtype.bfloat16
-        if hasattr(np_dtype, "np_dtype_valid") and not np_dtype.np_dtype_valid(False):
-            return "lacks a usable mindspore.common.np_dtype.bfloat16"
-        tensor = ms.Tensor.from_numpy(np.zeros(2, dtype=bf16))
-        if tensor.dtype != ms.bfloat16:
-            return f"Tensor.from_numpy(np_dtype.bfloat16 array) gives {tensor.dtype}, not BFloat16"
-    except Exception as exc:  # ImportError, AttributeError, a refused dtype...
-        return f"lacks mindspore.common.np_dtype.bfloat16 with Tensor.from_numpy ({type(exc).__name__}: {exc})"
-    return None
-
-
-def _probe_cell_to(ms) -> str | None:
-    """None when strategy.assign.cell_to_keeping_lazy gives what nn.Cell.to
-    gives: on a cell tree with float and int parameters and buffers (one of
-    them shared), every dtype, value and Parameter object the same, and a lazy
-    parameter left lazy in the new dtype (nn.Cell.to itself would read it)."""
-    try:
-        import numpy as np
-        from mindspore.common.initializer import initializer
-        from mindspore.nn.utils import no_init_parameters
-
-        from .strategy.assign import cell_to_keeping_lazy
-
-        def build(lazy):
-            shared = ms.Parameter(ms.Tensor(np.linspace(-1, 1, 4).astype(np.float32)), name="shared")
-            cells = []
-            for index in range(2):
-                cell = ms.nn.Cell()
-                cell.shared = shared
-                cell.count = ms.Parameter(ms.Tensor(np.arange(3, dtype=np.int32)), name=f"count{index}",
-                                          requires_grad=False)
-                cell.register_buffer("scale", ms.Tensor(np.full(2, 1 / 3, dtype=np.float32)))
-                cell.register_buffer("steps", ms.Tensor(np.arange(2, dtype=np.int64)))
-                cells.append(cell)
-            root = ms.nn.SequentialCell(cells)
-            if lazy:
-                with no_init_parameters():
-                    root.lazy = ms.Parameter(initializer("normal", (3, 2), ms.float32), name="lazy")
-            return root
-
-        def state(root):
-            out = {}
-            for prefix, cell in root.cells_and_names():
-                for attr, param in cell._params.items():
-                    out[f"{prefix}.{attr}"] = (id(param), str(param.dtype), bool(param.has_init),
-                                              None if param.has_init else param.astype(ms.float32).asnumpy().tolist())
-                for attr, buffer in cell._buffers.items():
-                    out[f"{prefix}.{attr}"] = (str(buffer.dtype), buffer.astype(ms.float32).asnumpy().tolist())
-            return out
-
-        expected_root, actual_root = build(lazy=False), build(lazy=True)
-        ids_before = {k: v[0] for k, v in state(actual_root).items() if len(v) == 4}
-        expected_root.to(ms.bfloat16)
-        cell_to_keeping_lazy(actual_root, ms.bfloat16)
-        expected, actual = state(expected_root), state(actual_root)
-        lazy = actual.pop(".lazy")
-        if lazy[1:3] != (str(ms.bfloat16), True):
-            return f"a lazy parameter came out as {lazy[1:3]}, not lazy BFloat16"
-        for key in expected:
-            if key not in actual:
-                return f"{key} is missing after the cast"
-            want, got = expected[key], actual[key]
-            if len(want) == 4:  # parameter: the same object keeps its place
-                if got[0] != ids_before[key]:
-                    return f"{key} was replaced by another Parameter object"
-                want, got = want[1:], got[1:]
-            if want != got:
-                return f"{key}: nn.Cell.to gives {want}, the fast path {got}"
-        return _probe_cell_to_skip(ms, cell_to_keeping_lazy)
-    except Exception as exc:  # an internal the wrapper uses changed
-        return f"{type(exc).__name__}: {exc}"
-    return None
-
-
-def _probe_cell_to_skip(ms, cell_to_keeping_lazy) -> str | None:
-    """None when cell_to_keeping_lazy, skipping the cells its pass leaves
-    untouched (lazy parameters already in the dtype, or not floating, and no
-    buffers), leaves a lazily built tree as the full `_apply` walk does:
-    every cell's and parameter's whole state (building.state.model_state)."""
-    import numpy as np
-    from mindspore.common.initializer import initializer
-    from mindspore.nn.utils import no_init_parameters
-
-    from .strategy.building.state import model_state
-
-    def build():
-        with no_init_parameters():
-            done = ms.nn.Cell()
-            done.weight = ms.Parameter(initializer("normal", (3, 2), ms.bfloat16), name="weight")
-            done.index = ms.Parameter(initializer("zeros", (2,), ms.int32), name="index", requires_grad=False)
-            wide = ms.nn.Cell()
-            wide.weight = ms.Parameter(initializer("normal", (2, 2), ms.float32), name="weight")
-            buffered = ms.nn.Cell()
-            buffered.bias = ms.Parameter(initializer("zeros", (2,), ms.bfloat16), name="bias")
-            buffered.register_buffer("scale", ms.Tensor(np.full(2, 1 / 3, dtype=np.float32)))
-            root = ms.nn.SequentialCell([done, wide, buffered, ms.nn.SequentialCell([done])])
-        return root
-
-    full, skipping = build(), build()
-    cell_to_keeping_lazy(full, ms.bfloat16, skip_untouched=False)
-    cell_to_keeping_lazy(skipping, ms.bfloat16)
-    if model_state(full) != model_state(skipping):
-        return "skipping untouched cells leaves a lazily built tree unlike the full walk"
-    return None
-
-
-def _probe_fill(ms) -> str | None:
-    """None when strategy.assign.fill leaves a lazy parameter as mindone's
-    transformers load does (Parameter.init_data, then set_data): holding the
-    value, no initializer kept, and copy / deepcopy / clone giving the value."""
-    try:
-        import copy
-
-        import numpy as np
-        from mindspore.common.initializer import initializer
-        from mindspore.nn.utils import no_init_parameters
-
-        from .strategy.assign import fill
-
-        value = np.arange(6, dtype=np.float32).reshape(2, 3)
-
-        def lazy():
-            with no_init_parameters():
-                return ms.Parameter(initializer("normal", (2, 3), ms.float32), name="probe")
-
-        real = lazy().init_data()
-        real.set_data(ms.Tensor(value))
-        fast = lazy()
-        fill(fast, ms.Tensor(value))
-        for side, param in (("mindspore's path", real), ("the fast path", fast)):
-            if param.has_init or not np.array_equal(param.asnumpy(), value):
-                return f"a parameter filled by {side} does not hold the value"
-            for how, make in (("copy", copy.copy), ("deepcopy", copy.deepcopy), ("clone", lambda p: p.clone())):
-                if not np.array_equal(make(param).asnumpy(), value):
-                    return f"{how} of a parameter filled by {side} does not have its value"
-        if (real.init_mode is None) != (fast.init_mode is None):
-            return "the fast path keeps a different initializer state than Parameter.init_data"
-    except Exception as exc:  # an internal it relies on changed
-        return f"{type(exc).__name__}: {exc}"
-    return None
-
-
-def probe(ms) -> tuple[tuple[str, ...], tuple[tuple[str, str], ...], dict]:
-    """(why `ms` cannot take the fast path at all, (library, why that
-    library's cannot), optional features present); empty when it can."""
-    problems = []
-    for owner, attribute in (("Parameter", "set_data"), ("Parameter", "init_data"),
-                             ("Tensor", "set_dtype"), ("Tensor", "from_numpy")):
-        if not callable(getattr(getattr(ms, owner, None), attribute, None)):
-            problems.append(f"lacks {owner}.{attribute}")
-    try:
-        from mindspore.nn import utils as nn_utils
-
-        if not callable(getattr(nn_utils, "no_init_parameters", None)):
-            problems.append("lacks mindspore.nn.utils.no_init_parameters")
-    except ImportError:
-        problems.append("lacks mindspore.nn.utils.no_init_parameters")
-    if "lacks Tensor.from_numpy" not in problems:
-        bf16 = _probe_bfloat16(ms)
-        if bf16 is not None:
-            problems.append(bf16)
-    library_problems = []
-    if not problems:
-        failed = _probe_fill(ms)
-        if failed is not None:
-            library_problems.append(("transformers", f"filling a lazy parameter: its probe failed ({failed})"))
-    cell = getattr(getattr(ms, "nn", None), "Cell", None)
-    features = {"cell_to": cell is not None and "to" in vars(cell)}
-    for name in _MIXIN_METHODS:
-        if cell is None or name not in vars(cell):
-            continue
-        if name == "to" and not problems:
-            failed = _probe_cell_to(ms)
-            if failed is None:
-                continue
-            problem = f"nn.Cell.to shadows mindone's ModuleUtilsMixin.to and its probe failed ({failed})"
-        else:
-            problem = f"nn.Cell.{name} shadows mindone's ModuleUtilsMixin.{name}, which the fast path patches"
-        library_problems.append(("transformers", problem))
-    return tuple(problems), tuple(library_problems), features
-
-
 @functools.lru_cache(maxsize=None)
 def techniques() -> Techniques:
     """The technique for the imported mindspore (one per process)."""
     import mindspore as ms
 
+    from . import api_probes
     from .strategy import randomstate
 
     with randomstate.kept():  # the probes fill parameters from random initializers
-        problems, library_problems, features = probe(ms)
+        problems, library_problems, features = api_probes.probe(ms)
     result = Techniques(
         mindspore=str(getattr(ms, "__version__", installed_version("mindspore"))),
         assign="Parameter.set_data (transformers: then its lazy initializer dropped, as Parameter.init_data does)",

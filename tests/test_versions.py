@@ -14,7 +14,7 @@ import pytest
 from packaging.version import Version
 
 from conftest import report_of, run_python
-from ms_loadpatch import core, versions
+from ms_loadpatch import api_probes, core, versions
 from ms_loadpatch.targets import TARGETS
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -331,12 +331,12 @@ def test_cell_to_skip_probe_tells_a_skip_that_changes_the_tree():
         pytest.skip("this mindspore's nn.Cell has no `to`: cell_to_keeping_lazy is not used")
     from ms_loadpatch.strategy.assign import cell_to_keeping_lazy
 
-    assert versions._probe_cell_to_skip(ms, cell_to_keeping_lazy) is None
+    assert api_probes._probe_cell_to_skip(ms, cell_to_keeping_lazy) is None
 
     def skips_every_cell(cell, dtype, skip_untouched=True):
         return cell if skip_untouched else cell_to_keeping_lazy(cell, dtype, skip_untouched=False)
 
-    assert "unlike the full walk" in versions._probe_cell_to_skip(ms, skips_every_cell)
+    assert "unlike the full walk" in api_probes._probe_cell_to_skip(ms, skips_every_cell)
 
 
 def test_unusable_mindspore_skips_every_target(monkeypatch, fresh_techniques, caplog):

@@ -109,7 +109,7 @@ def cell_to_keeping_lazy(cell, dtype, skip_untouched: bool = True):
     parameters already in `dtype` or not floating: the usual state right after
     a lazy build) is not passed over; the others get `_apply` in its own order.
     Checked against nn.Cell.to, and the skip against the full walk, by
-    versions._probe_cell_to."""
+    api_probes._probe_cell_to."""
     from mindspore.common import dtype as mstype
 
     floating = tuple(mstype.float_type) + tuple(mstype.complex_type)

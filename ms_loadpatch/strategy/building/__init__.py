@@ -27,7 +27,6 @@ from .probe import run_probes
 from .signature_cache import SignatureCache
 from .sibling_clone import SiblingClone
 
-from ..verdict import ACTIVE, OFF, SKIPPED  # noqa: F401  (status rows' states, for callers of this package)
 
 _FLAT_NAME_WALK = FlatNameWalk()
 TECHNIQUES = (CellInitTemplate(), SignatureCache(), PrimitiveDefaults(), _FLAT_NAME_WALK, SiblingClone(), GcPause(),
