@@ -16,10 +16,11 @@ from __future__ import annotations
 import contextlib
 import threading
 
-from .. import gcpause, randomstate, switch, verdict
+from .. import randomstate, switch, verdict
 from . import window
 from .cell_init_template import CellInitTemplate
 from .flat_name_walk import FlatNameWalk
+from . import gc_pause
 from .gc_pause import GcPause
 from .host_factories import HostFactories
 from .primitive_defaults import PrimitiveDefaults
@@ -54,7 +55,7 @@ def probe_result(technique) -> str | None:
         raise RuntimeError("ms_loadpatch: fast-construction probes cannot run inside a construction window")
     with _probe_lock:
         if technique.name not in _probe_results:
-            with gcpause.collection_paused(), randomstate.kept():
+            with gc_pause.collection_paused(), randomstate.kept():
                 _probe_groups(technique)
         return _probe_results[technique.name]
 
@@ -108,7 +109,7 @@ def leftovers() -> list[str]:
         found += technique.leftovers()
     if window.counter_left_installed():
         found.append("nn.Cell.__init__ still counts cells")
-    return found + gcpause.leftovers()
+    return found + gc_pause.leftovers()
 
 
 @contextlib.contextmanager
