@@ -84,7 +84,7 @@ params = len(model.parameters_dict())
 active = [t.name for t in building.active_techniques()]
 build = registry.last_build() if variant != "floor" else None
 print("RESULT " + json.dumps({"seconds": seconds, "cells": cells, "parameters": params, "active": active,
-                              "engaged_at": window.engaged_at if variant != "floor" else None,
+                              "engaged_at": window.state.engaged_at if variant != "floor" else None,
                               "copied": build["cells_copied"] if build else 0,
                               "not_copied": build["not_copied"] if build else {}}))
 """

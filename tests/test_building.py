@@ -630,7 +630,7 @@ with cpu_kernel_fallbacks():
     with lazy_construction(fast=True):
         fast = mt.MixtralForCausalLM(config())
     out = {"start": window.start_after_cells(), "probed": dict(building._probe_results),
-           "engaged_at": window.engaged_at, "cloned": clone.cloned, "leftovers": building.leftovers(),
+           "engaged_at": window.state.engaged_at, "cloned": clone.cloned, "leftovers": building.leftovers(),
            "cells": sum(1 for _ in fast.cells_and_names())}
     with lazy_construction(fast=False):
         plain = mt.MixtralForCausalLM(config())
@@ -639,7 +639,7 @@ with cpu_kernel_fallbacks():
     with lazy_construction(fast=True):
         mt.MixtralForCausalLM(config())
     building.technique_status()  # runs the probes now if the build did not
-    out["engaged_after_probes"] = window.engaged_at
+    out["engaged_after_probes"] = window.state.engaged_at
     if sys.argv[1:]:  # and a load from the checkpoint, against an unpatched one
         cls = mt.MixtralForCausalLM
         reference, accelerated = load_both(lambda: cls.from_pretrained(sys.argv[1]))

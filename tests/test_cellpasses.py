@@ -133,7 +133,7 @@ def test_probe_runs_before_the_build_not_inside_its_window(tmp_path, monkeypatch
                                            intermediate_size=64)).save_pretrained(str(tmp_path))
     depths = []
     real_probe = cellpasses._probe
-    monkeypatch.setattr(cellpasses, "_probe", lambda: (depths.append(window.depth), real_probe())[1])
+    monkeypatch.setattr(cellpasses, "_probe", lambda: (depths.append(window.state.depth), real_probe())[1])
     monkeypatch.setattr(cellpasses, "_verdict", [])
     monkeypatch.setenv(window.START_ENV_VAR, "0")
     with window.open_window(list):

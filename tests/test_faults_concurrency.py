@@ -293,7 +293,7 @@ def test_report_reads_its_build_under_the_construction_lock(models, monkeypatch,
     real = context.LoadReport.note_construction
 
     def note(report):
-        seen.append((construct.CONSTRUCTION_LOCK._is_owned(), window.window_open(), window.engaged_at))
+        seen.append((construct.CONSTRUCTION_LOCK._is_owned(), window.window_open(), window.state.engaged_at))
         real(report)
 
     monkeypatch.setattr(context.LoadReport, "note_construction", note)

@@ -171,7 +171,7 @@ def probe() -> str | None:
         return "the probe is running"
     from .building import window
 
-    if window.depth and not _verdict:  # its cells would be built by the window's techniques, and counted
+    if window.state.depth and not _verdict:  # its cells would be built by the window's techniques, and counted
         return "not probed yet: a construction window is open"
     with _lock:
         if not _verdict:

@@ -56,7 +56,7 @@ class LoadReport:
         """After the construction window closed: where its fast paths engaged
         (only a window of its own: a nested load's belongs to the outer one)."""
         if not window.window_open():
-            self.fast_construction_from = window.engaged_at
+            self.fast_construction_from = window.state.engaged_at
             build = window.last_build() or {}
             self.cells_copied = build.get("cells_copied", 0)
             self.not_copied = build.get("not_copied", {})

@@ -39,7 +39,7 @@ _probe_lock = threading.Lock()
 
 def engaged_at() -> int | None:
     """The cell of the last build at which its techniques engaged (None: built plainly)."""
-    return window.engaged_at
+    return window.state.engaged_at
 
 
 def named_parameters(root, cells: list | None = None) -> list | None:
@@ -51,7 +51,7 @@ def named_parameters(root, cells: list | None = None) -> list | None:
 
 def probe_result(technique) -> str | None:
     """The probe's verdict for `technique` on this process's mindspore (run once)."""
-    if window.depth:  # inside a window the probe would compare the fast path with itself
+    if window.state.depth:  # inside a window the probe would compare the fast path with itself
         raise RuntimeError("ms_loadpatch: fast-construction probes cannot run inside a construction window")
     with _probe_lock:
         if technique.name not in _probe_results:
@@ -103,8 +103,8 @@ def leftovers() -> list[str]:
     """What a closed window would have left behind (for tests): empty when
     nothing of fast construction is installed."""
     found = []
-    if window.depth or window.builder is not None:
-        found.append(f"a construction window is open (depth {window.depth})")
+    if window.state.depth or window.state.builder is not None:
+        found.append(f"a construction window is open (depth {window.state.depth})")
     for technique in TECHNIQUES:
         found += technique.leftovers()
     if window.counter_left_installed():
@@ -120,7 +120,7 @@ def fast_construction(lazy_parameters: bool = True, checkpoint_tensors: int | No
     Call with CONSTRUCTION_LOCK held. Without `lazy_parameters` (from_config:
     parameters get their random values while the model is built) cells are
     never copied: a copy would skip its draws from the random generator."""
-    if window.depth and window.in_builder():
+    if window.state.depth and window.in_builder():
         with window.open_window(list):
             yield
         return

@@ -105,7 +105,7 @@ class CellInitTemplate(Technique):
         count = self.count
 
         def __init__(self, auto_prefix=True, flags=None):
-            if (window.builder != threading.get_ident() or flags or not technique._plain(type(self))
+            if (window.state.builder != threading.get_ident() or flags or not technique._plain(type(self))
                     or environ.get("GC_COLLECT_IN_CELL") == "1"):
                 return original(self, auto_prefix, flags)
             cell_base.__init__(self, self._cell_tag)

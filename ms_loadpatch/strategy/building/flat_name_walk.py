@@ -88,7 +88,7 @@ class FlatNameWalk(Technique):
         this technique is installed and the calling thread is the builder;
         None otherwise (or when a cell of the subtree overrides the walk).
         `cells` (a list) gets root.cells_and_names()'s cells from the same walk."""
-        if not self.installed or window.builder != threading.get_ident():
+        if not self.installed or window.state.builder != threading.get_ident():
             return None
         return self._walk(root, cells)
 
@@ -98,7 +98,7 @@ class FlatNameWalk(Technique):
         technique, original, check_prefix = self, self.original, self.check_prefix
 
         def update_parameters_name(self, prefix="", recurse=True):
-            if window.builder != threading.get_ident() or recurse is not True:
+            if window.state.builder != threading.get_ident() or recurse is not True:
                 return original(self, prefix, recurse)
             check_prefix(prefix)
             named = technique._walk(self)

@@ -176,11 +176,11 @@ class HostFactories(Technique):
         if any(getattr(self.modules[module], name, None) is not original
                for (module, name), original in self.originals.items()):
             return False
-        technique, serving = self, window.generation
+        technique, serving = self, window.state.generation
         wrappers = {}
         for key, original in self.originals.items():
             def factory(*args, _key=key, _original=original, **kwargs):
-                if window.builder == threading.get_ident() and window.generation == serving:
+                if window.state.builder == threading.get_ident() and window.state.generation == serving:
                     made = technique._host(_key, _original, args, dict(kwargs))
                     if made is not None:
                         return made
@@ -201,8 +201,8 @@ class HostFactories(Technique):
             if getattr(self.modules[module], name, None) is wrapper:
                 setattr(self.modules[module], name, self.originals[module, name])
         self.wrappers = {}
-        if window.recording:
-            window.notes[self.name] = {"tensors": self.made - self.made_before}
+        if window.state.recording:
+            window.state.notes[self.name] = {"tensors": self.made - self.made_before}
 
     def leftovers(self):
         return [f"mindspore.{module}.{name} is not mindspore's" for (module, name), original in self.originals.items()

@@ -80,8 +80,8 @@ class SiblingClone(Technique):
 
     def uninstall(self):
         self.hooks.restore()
-        if window.recording:
-            window.notes[self.name] = self._build_notes()
+        if window.state.recording:
+            window.state.notes[self.name] = self._build_notes()
         self.entries.clear()
         self.builds.clear()
         self.reasons.clear()

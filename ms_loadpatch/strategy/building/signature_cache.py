@@ -23,7 +23,7 @@ class _CachedSignatureInspect:
         return getattr(self._real, name)
 
     def signature(self, fn, *args, **kwargs):
-        if args or kwargs or window.builder != threading.get_ident() or type(fn) is not types.FunctionType:
+        if args or kwargs or window.state.builder != threading.get_ident() or type(fn) is not types.FunctionType:
             return self._real.signature(fn, *args, **kwargs)
         entry = self._cache.get(fn)
         if entry is not None and entry[0] is fn.__code__ and entry[1] is fn.__defaults__ \

@@ -95,7 +95,7 @@ class InitHooks:
         hooked = self.hooked
 
         def __init__(obj, *args, **kwargs):
-            if window.builder == threading.get_ident():
+            if window.state.builder == threading.get_ident():
                 cls = type(obj)
                 if cls not in hooked:
                     notice(cls, current)
@@ -116,7 +116,7 @@ class InitHooks:
         init = cls.__init__
 
         def wrapper(obj, *args, **kwargs):
-            if window.builder != threading.get_ident() or type(obj) is not cls:
+            if window.state.builder != threading.get_ident() or type(obj) is not cls:
                 return init(obj, *args, **kwargs)
             return fast(cls, init, obj, args, kwargs)
 

@@ -25,18 +25,26 @@ DEFAULT_START = 1000
 # cell it saves ~0.1 ms on each of those first cells.
 EARLY_START_TENSORS = 600
 
-# The thread whose construction takes the fast paths (None: no window open).
-builder: int | None = None
-depth = 0
-# Counts outermost windows: a technique installed in one window is not served
-# in the probes' windows opened inside it (the same thread builds both).
-generation = 0
-# Cells the last outermost window had built when its techniques engaged (None: never).
-engaged_at: int | None = None
-# What techniques noted about the last recorded window (name -> notes), and
-# whether the window open now is recorded (the probes' windows are not).
-notes: dict[str, dict] = {}
-recording = False
+class WindowState:
+    """The open window, one object for the process (`state`): written here
+    only, under CONSTRUCTION_LOCK; read by the techniques and the load report."""
+
+    def __init__(self):
+        # The thread whose construction takes the fast paths (None: no window open).
+        self.builder: int | None = None
+        self.depth = 0
+        # Counts outermost windows: a technique installed in one window is not served
+        # in the probes' windows opened inside it (the same thread builds both).
+        self.generation = 0
+        # Cells the last outermost window had built when its techniques engaged (None: never).
+        self.engaged_at: int | None = None
+        # What techniques noted about the last recorded window (name -> notes), and
+        # whether the window open now is recorded (the probes' windows are not).
+        self.notes: dict[str, dict] = {}
+        self.recording = False
+
+
+state = WindowState()
 
 
 def last_build() -> dict | None:
@@ -44,21 +52,21 @@ def last_build() -> dict | None:
     cells sibling-clone copied, each class built more than once but never
     copied with the first reason, and the tensors host-factories made. None
     before any build engaged or noted."""
-    if not notes and engaged_at is None:
+    if not state.notes and state.engaged_at is None:
         return None
-    copies = notes.get("sibling-clone", {})
-    return {"engaged_at": engaged_at, "cells_copied": copies.get("cells_copied", 0),
+    copies = state.notes.get("sibling-clone", {})
+    return {"engaged_at": state.engaged_at, "cells_copied": copies.get("cells_copied", 0),
             "not_copied": dict(copies.get("not_copied", {})),
-            "host_tensors": notes.get("host-factories", {}).get("tensors", 0)}
+            "host_tensors": state.notes.get("host-factories", {}).get("tensors", 0)}
 
 
 def window_open() -> bool:
-    return depth > 0
+    return state.depth > 0
 
 
 def in_builder() -> bool:
     """Whether the calling thread is the one building in the open window."""
-    return builder == threading.get_ident()
+    return state.builder == threading.get_ident()
 
 
 def start_after_cells(checkpoint_tensors: int | None = None) -> int:
@@ -110,11 +118,10 @@ class _StartCounter:
         counter = self
 
         def __init__(cell, *args, **kwargs):
-            global engaged_at
-            if builder == threading.get_ident():
+            if state.builder == threading.get_ident():
                 counter.count += 1
                 if counter.count >= counter.start and counter.uninstall() and counter.reached():
-                    engaged_at = counter.count
+                    state.engaged_at = counter.count
             return original(cell, *args, **kwargs)
 
         __init__.__wrapped__ = original
@@ -142,13 +149,12 @@ def counter_left_installed() -> bool:
 def _install_chosen(choose, installed) -> bool:
     """Runs the probes (outside the open window: they build models of their
     own) and installs the active techniques into it; True when any was."""
-    global builder, depth, recording, generation
-    saved = builder, depth, recording, generation
-    builder, depth = None, 0
+    saved = state.builder, state.depth, state.recording, state.generation
+    state.builder, state.depth = None, 0
     try:
         techniques = choose()
     finally:
-        builder, depth, recording, generation = saved
+        state.builder, state.depth, state.recording, state.generation = saved
     before = len(installed)
     for technique in techniques:
         if technique.install():
@@ -163,36 +169,35 @@ def open_window(choose, start: int = 0, record: bool = True, early=None):
     else once the build has made `start` cells; `early()` gives those
     installed at once whatever `start`. `record`: the window sets
     `engaged_at` (the probes' windows do not)."""
-    global builder, depth, engaged_at, recording, generation
-    if depth:
-        if builder != threading.get_ident():  # cannot happen under the lock; never share a window
+    if state.depth:
+        if state.builder != threading.get_ident():  # cannot happen under the lock; never share a window
             raise RuntimeError("ms_loadpatch: fast construction window opened from two threads")
-        depth += 1
+        state.depth += 1
         try:
             yield
         finally:
-            depth -= 1
+            state.depth -= 1
         return
     installed, counter = [], None
     try:
-        builder = threading.get_ident()
-        depth = 1
-        generation += 1
-        recording = record
+        state.builder = threading.get_ident()
+        state.depth = 1
+        state.generation += 1
+        state.recording = record
         if record:
-            engaged_at = None
-            notes.clear()
+            state.engaged_at = None
+            state.notes.clear()
         if early is not None:
             _install_chosen(early, installed)
         if start > 0:
             counter = _StartCounter(start, lambda: _install_chosen(choose, installed))
             counter.install()
         elif _install_chosen(choose, installed) and record:
-            engaged_at = 0
+            state.engaged_at = 0
         yield
     finally:
-        depth = 0
-        builder = None
+        state.depth = 0
+        state.builder = None
         if counter is not None:
             counter.uninstall()
         for technique in reversed(installed):
