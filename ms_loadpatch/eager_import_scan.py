@@ -17,7 +17,6 @@ import sys
 import threading
 
 from . import versions
-from .lazy_import import Unsupported, _import_quietly, _literal_all, _packages, _plans
 
 _eager_bound: dict[str, dict[str, frozenset] | None] = {}  # top-level package -> lazy package -> names
 _eager_bound_lock = threading.RLock()
@@ -25,20 +24,21 @@ _eager_bound_errors: dict[str, str] = {}  # top-level package -> why the predict
 # lists what the __init__ binds)
 
 
-def bound_by_eager_import(name):
+def bound_by_eager_import(name, lazy):
     """Names the eager import binds in the lazy package `name` beyond what its
     `__init__`'s own statements bind: every submodule that a module it runs
     imports (the import system binds it in its parent), and the submodules a
     star import of a package without `__all__` exports. Predicted once, on the
     first dir() of a lazy package or access to such a name (not at import),
     by _EagerImportScan. None while it is predicted (a nested call) or when
-    the prediction failed."""
+    the prediction failed. `lazy` is lazy_import's view of its packages
+    (lazy_import.LazyPackagesView: roots, executed imports, literal `__all__`)."""
     top = name.split(".")[0]
     with _eager_bound_lock:
         if top not in _eager_bound:
             _eager_bound[top] = None
             try:
-                _eager_bound[top] = _EagerImportScan(top).run()
+                _eager_bound[top] = _EagerImportScan(top, lazy).run()
             except Exception as exc:  # dir() must not fail: it lists the __init__'s names then
                 _eager_bound_errors[top] = f"{type(exc).__name__}: {exc}"
         bound = _eager_bound[top]
@@ -59,7 +59,7 @@ class _EagerImportScan:
     _LINE = None  # compiled on first use
     _HEADER = None
 
-    def __init__(self, top):
+    def __init__(self, top, lazy):
         import re
 
         if _EagerImportScan._LINE is None:
@@ -67,8 +67,8 @@ class _EagerImportScan:
                 r"([ \t]*)(?:from[ \t]+(\.*)([\w.]*)[ \t]+import\b[ \t]*(\([^)]*\)|[^\n;#]*)|import[ \t]+([^\n;#]*))")
             _EagerImportScan._HEADER = re.compile(r"(async[ \t]+def|def|class|if|elif|else|try|except|finally|with"
                                                   r"|for|while)\b[ \t]*(.*?)[ \t]*:?[ \t]*$")
-        self.top = top
-        self.roots = self._lazy_roots()
+        self.top, self.lazy = top, lazy
+        self.roots = self.lazy.roots(top)
         self.top_dir = os.path.dirname(sys.modules[self.top].__file__)
         self.imported: set[str] = set()
         self.stars: dict[str, set[str]] = {n: set() for n in self.roots}  # lazy package -> submodules its
@@ -80,8 +80,8 @@ class _EagerImportScan:
     def run(self):
         for name in versions.LAZY_IMPORT_PACKAGES:  # a lazy package not imported yet: its plan (cheap)
             if name.rpartition(".")[0] in self.roots and name not in sys.modules:
-                _import_quietly(name)
-        self.roots = self._lazy_roots()
+                self.lazy.import_quietly(name)
+        self.roots = self.lazy.roots(self.top)
         for root in self.roots:
             self.import_(root)
         bound = {}
@@ -90,10 +90,6 @@ class _EagerImportScan:
             names = {m[len(prefix):].split(".")[0] for m in self.imported if m.startswith(prefix)}
             bound[root] = frozenset(names | self.stars.get(root, set()))
         return bound
-
-    def _lazy_roots(self):
-        return sorted(n for n, row in list(_packages.items())
-                      if row["state"] == "lazy" and n in _plans and (n + ".").startswith(self.top + "."))
 
     # -- the import system, on names
 
@@ -124,9 +120,9 @@ class _EagerImportScan:
         if module in self.imported or not (module == self.top or module.startswith(self.top + ".")):
             return
         self.imported.add(module)  # before it runs, as in sys.modules (circular imports)
-        plan = _plans.get(module)
-        if plan is not None and module in self.roots:
-            statements = plan.executed
+        executed = self.lazy.executed(module) if module in self.roots else None
+        if executed is not None:
+            statements = executed
         else:
             path = self._file(module)
             if path is None or path == "":
@@ -177,13 +173,8 @@ class _EagerImportScan:
         path = self._file(module)
         if not path:
             return None
-        import ast
-
         with open(path, encoding="utf-8") as f:
-            try:
-                return _literal_all(ast, f.read())
-            except Unsupported:
-                return None
+            return self.lazy.literal_all(f.read())
 
     # -- a module's import statements that run at import
 

@@ -210,7 +210,7 @@ class LazyPackage(types.ModuleType):
         names = set(self.__dict__)
         if plan is not None and not plan.complete:
             names.update(plan.table)
-            names.update(_eager_import_scan().bound_by_eager_import(plan.name) or ())
+            names.update(_eager_import_scan().bound_by_eager_import(plan.name, LazyPackagesView) or ())
         return sorted(names)
 
 
@@ -405,7 +405,7 @@ class _Plan:
         elif name == "__all__":
             self.resolve_all(module)
         elif self._may_exist_eagerly(name):
-            bound = _eager_import_scan().bound_by_eager_import(self.name)
+            bound = _eager_import_scan().bound_by_eager_import(self.name, LazyPackagesView)
             if bound is not None and name in bound and name in self._child_names():
                 importlib.import_module(f"{self.name}.{name}")  # the very module; the import system binds it
             else:  # a submodule a star import exports, or no prediction: everything, then the eager answer
@@ -521,3 +521,31 @@ def _eager_import_scan():
     from . import eager_import_scan
 
     return eager_import_scan
+
+
+class LazyPackagesView:
+    """What eager_import_scan reads of the lazy packages (it imports nothing of this module)."""
+
+    @staticmethod
+    def roots(top) -> list[str]:
+        """The lazy packages under the top-level package `top`, sorted."""
+        return sorted(n for n, row in list(_packages.items())
+                      if row["state"] == "lazy" and n in _plans and (n + ".").startswith(top + "."))
+
+    @staticmethod
+    def executed(name):
+        """(module, names) of the relative imports the lazy package `name` went through, or None."""
+        plan = _plans.get(name)
+        return None if plan is None else plan.executed
+
+    import_quietly = staticmethod(_import_quietly)
+
+    @staticmethod
+    def literal_all(source):
+        """A module's literal `__all__` from its source, None when there is none or it is not literal."""
+        import ast
+
+        try:
+            return _literal_all(ast, source)
+        except Unsupported:
+            return None
