@@ -12,9 +12,8 @@ import sys
 import pytest
 
 CHILD = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_random_state_child.py")
-# the version matrix runs the probes (version-specific) and one load: 4 processes a version
-CASES = [pytest.param("diffusers-unet", marks=pytest.mark.matrix), "diffusers-vae", "transformers-from-config",
-         pytest.param("probes", marks=pytest.mark.matrix)]
+# the version matrix runs the probes, what differs between mindspore versions (2 processes a version)
+CASES = ["diffusers-unet", "diffusers-vae", "transformers-from-config", pytest.param("probes", marks=pytest.mark.matrix)]
 
 
 def run_python(args, env_extra):
@@ -55,7 +54,7 @@ def _draws(case, directory, plugin: bool):
         if line.startswith("DRAWS "):
             result = json.loads(line[len("DRAWS "):])
             assert result["enabled"] is plugin
-            return result["after"]
+            return result
     raise AssertionError(f"no DRAWS line; exit {proc.returncode}\n{proc.stderr[-4000:]}")
 
 
@@ -63,7 +62,13 @@ def _draws(case, directory, plugin: bool):
 def test_global_random_state_after_call_is_unpatched(case, diffusers_checkpoints):
     unpatched = _draws(case, diffusers_checkpoints, plugin=False)
     patched = _draws(case, diffusers_checkpoints, plugin=True)
-    for call, (want, got) in enumerate(zip(unpatched, patched), start=1):
+    # Where ms.set_seed does not fix mindspore's default generator (2.7.0: a state of its own per
+    # process), what both processes must agree on is whether each call moved it from there.
+    comparable = unpatched["seeded"] == patched["seeded"]
+    for call, (want, got) in enumerate(zip(unpatched["after"], patched["after"]), start=1):
+        if not comparable:
+            want["mindspore"] = want["mindspore"] != unpatched["seeded"]
+            got["mindspore"] = got["mindspore"] != patched["seeded"]
         assert got == want, f"{case}, call {call}: global random state differs from an unpatched process"
 
 
