@@ -51,6 +51,11 @@ MATRIX_PYTHONS: dict[str, str] = {
 # The cell whose every other dependency is pinned to its declared floor
 # (pyproject `name>=X` -> `name==X`): the oldest mindspore, on the oldest Python.
 FLOORS_CELL: str = "2.7.0"
+# Test files whose matrix tests depend on mindone's version rather than
+# mindspore's (the lazy packages are mindone's): in the matrix they run on the
+# oldest and the newest mindspore only (FLOORS_CELL and the last of TESTED);
+# the README test command runs them whole on the suite's mindspore.
+MATRIX_EDGE_ONLY: tuple[str, ...] = ("tests/test_lazy_import.py",)
 # Floors that cell raises, because mindspore's or mindone's own requirements
 # ask for more (the declared floor is what this package's code needs):
 # name -> (version installed instead, why).
