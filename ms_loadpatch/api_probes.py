@@ -162,6 +162,15 @@ def _probe_fill(ms) -> str | None:
     return None
 
 
+def _probe_draws() -> str | None:
+    """None when lazy parameters that take their draws when made
+    (strategy/building/draws.py) leave numpy's global state and, filled, the
+    values of a plain build, for mindspore's initializer classes."""
+    from .strategy.building import draws
+
+    return draws.probe()
+
+
 def probe(ms) -> tuple[tuple[str, ...], tuple[tuple[str, str], ...], dict]:
     """(why `ms` cannot take the fast path at all, (library, why that
     library's cannot), optional features present); empty when it can."""
@@ -186,6 +195,10 @@ def probe(ms) -> tuple[tuple[str, ...], tuple[tuple[str, str], ...], dict]:
         failed = _probe_fill(ms)
         if failed is not None:
             library_problems.append(("transformers", f"filling a lazy parameter: its probe failed ({failed})"))
+        failed = _probe_draws()
+        if failed is not None:
+            library_problems.append(("transformers", "taking the random draws of lazy parameters (the unpatched "
+                                                     f"build runs every initializer): its probe failed ({failed})"))
     cell = getattr(getattr(ms, "nn", None), "Cell", None)
     features = {"cell_to": cell is not None and "to" in vars(cell)}
     for name in _MIXIN_METHODS:

@@ -91,12 +91,36 @@ def compare(expected: dict, actual: dict, skip_values=()) -> list[str]:
 
 
 def load_both(load):
-    """(unpatched result, patched result) of `load()`, called once each, in one process."""
+    """(unpatched result, patched result) of `load()`, called once each, in
+    one process, each from the same global random state (numpy's and
+    Python's `random`): weights a checkpoint lacks get their initializers'
+    draws. Raises AssertionError when the patched call leaves those
+    generators elsewhere than the unpatched one did."""
+    import random
+
+    import numpy as np
+
+    start = np.random.get_state(), random.getstate()
     with disabled():
         reference = load()
+    after_reference = np.random.get_state(), random.getstate()
+    np.random.set_state(start[0])
+    random.setstate(start[1])
     with enabled():
         accelerated = load()
+    problem = _random_state_difference(after_reference, (np.random.get_state(), random.getstate()))
+    if problem:
+        raise AssertionError(f"the patched load leaves {problem} elsewhere than the unpatched load")
     return reference, accelerated
+
+
+def _random_state_difference(reference, accelerated) -> str | None:
+    (ref_numpy, ref_python), (acc_numpy, acc_python) = reference, accelerated
+    if ref_numpy[0] != acc_numpy[0] or not (ref_numpy[1] == acc_numpy[1]).all() or ref_numpy[2:] != acc_numpy[2:]:
+        return "numpy's global RandomState"
+    if ref_python != acc_python:
+        return "Python's random"
+    return None
 
 
 def assert_same_model(reference, accelerated, skip_values=()) -> None:

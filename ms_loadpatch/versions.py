@@ -277,6 +277,12 @@ class Techniques:
         ]
         for row in rows:
             row.update(state=SKIPPED if everywhere else ACTIVE, reason=everywhere)
+        own = "; ".join(p for name, p in self.library_problems if name == "transformers" and "random draws" in p)
+        rows.append({"name": "random-draws", "libraries": ["transformers"],
+                     "description": "a lazily built parameter takes, when made, the numpy draws of the initializer "
+                                    "the unpatched build runs; one the checkpoint lacks is filled with them "
+                                    "(probed against plain builds)",
+                     "state": SKIPPED if own or everywhere else ACTIVE, "reason": own or everywhere})
         if self.features.get("cell_to"):
             own = "; ".join(p for name, p in self.library_problems if name == "transformers" and "Cell.to" in p)
             rows.append({"name": "cell-to-keeping-lazy", "libraries": ["transformers"],

@@ -4,10 +4,14 @@ and print the global generators' draws after each call as one JSON line.
     python _random_state_child.py CASE DIRECTORY
 
 CASE: `diffusers-unet`, `diffusers-vae` (from_pretrained of the checkpoint in
-DIRECTORY/CASE), `transformers-from-config`, `probes` (every probe the
-plugin runs, through status(), against no call at all). The plugin is on unless MS_LOADPATCH=0.
+DIRECTORY/CASE), `transformers-*` (from_pretrained of DIRECTORY/CASE, see
+TRANSFORMERS; `-bf16`: as bfloat16), `transformers-from-config`, `probes`
+(every probe the plugin runs, through status(), against no call at all).
+The plugin is on unless MS_LOADPATCH=0. After each load, a digest of every
+parameter's name, dtype and bytes.
 """
 
+import hashlib
 import json
 import os
 import random
@@ -21,17 +25,42 @@ import numpy as np  # noqa: E402
 from ms_loadpatch.testing import cpu_kernel_fallbacks  # noqa: E402
 
 
+# case -> (mindone.transformers class, checkpoint directory under DIRECTORY)
+TRANSFORMERS = {
+    "transformers-qwen2": ("Qwen2ForCausalLM", "transformers-qwen2"),
+    "transformers-qwen2-bf16": ("Qwen2ForCausalLM", "transformers-qwen2"),
+    "transformers-qwen2-missing": ("Qwen2ForCausalLM", "transformers-qwen2-missing"),
+    "transformers-mixtral": ("MixtralForCausalLM", "transformers-mixtral"),
+    "transformers-qwen3-moe": ("Qwen3MoeForCausalLM", "transformers-qwen3-moe"),
+    "transformers-clip-text": ("CLIPTextModel", "transformers-clip-text"),
+}
+
+
+def digest(model):
+    h = hashlib.sha256()
+    for name, param in model.parameters_and_names():
+        h.update(f"{name} {param.dtype}".encode())
+        h.update(param.asnumpy().tobytes())
+    return h.hexdigest()
+
+
 def call():
     if case.startswith("diffusers-"):
         import mindone.diffusers as D
 
         cls = {"diffusers-unet": D.UNet2DConditionModel, "diffusers-vae": D.AutoencoderKL}[case]
-        cls.from_pretrained(os.path.join(directory, case))
+        return cls.from_pretrained(os.path.join(directory, case))
+    if case in TRANSFORMERS:
+        import mindone.transformers as mt
+
+        class_name, checkpoint = TRANSFORMERS[case]
+        kwargs = {"mindspore_dtype": ms.bfloat16} if case.endswith("-bf16") else {}
+        return getattr(mt, class_name).from_pretrained(os.path.join(directory, checkpoint), **kwargs)
     elif case == "transformers-from-config":
         import transformers as hf
         from mindone.transformers import AutoModelForCausalLM
 
-        AutoModelForCausalLM.from_config(hf.Qwen2Config(
+        return AutoModelForCausalLM.from_config(hf.Qwen2Config(
             vocab_size=128, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
             intermediate_size=64))
     elif case == "probes":  # with the plugin off, nothing: every probe must leave the generators as not probing
@@ -57,6 +86,6 @@ with cpu_kernel_fallbacks():
     random.seed(7)
     seeded = mindspore_state()  # mindspore 2.7.0's set_seed leaves its default generator at a per-process state
     for _ in range(2):  # the first call of a process (probes run) and a later one
-        call()
-        after.append(draws())
+        model = call()
+        after.append({**draws(), "parameters": digest(model) if model is not None else None})
 print("DRAWS " + json.dumps({"enabled": ms_loadpatch.is_enabled(), "seeded": seeded, "after": after}))

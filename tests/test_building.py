@@ -374,7 +374,7 @@ def test_host_factories_serve_only_the_building_thread_and_window():
         seen = []
 
         def probe_build():
-            model, _, _ = probe._build_probe((), technique.probe_model)
+            model, _, _, _ = probe._build_probe((), technique.probe_model)
             seen.append(model)
             return []
 

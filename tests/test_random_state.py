@@ -1,7 +1,13 @@
 """A seeded script draws the same numbers after a call with the plugin on as
 without it: numpy's global RandomState (mindspore's initializers seed from
-it), Python's random, mindspore's default generator. Fresh processes, one
+it), Python's random, mindspore's default generator; and gets the same
+model, weights its checkpoint lacks included. Fresh processes, one
 PYTHONHASHSEED, the first call of a process (the probes run) and a later one.
+
+transformers loads: dense Qwen2 as stored and as bf16, with weights the
+checkpoint lacks, a Mixtral built from its first cell with every
+construction technique (experts copied), Qwen3-MoE (its `_init_weights`
+fills with `Tensor.normal_`, the init pass then fills those parameters), CLIP's text model.
 """
 
 import json
@@ -13,7 +19,9 @@ import pytest
 
 CHILD = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_random_state_child.py")
 # the version matrix runs the probes, what differs between mindspore versions (2 processes a version)
-CASES = ["diffusers-unet", "diffusers-vae", "transformers-from-config", pytest.param("probes", marks=pytest.mark.matrix)]
+CASES = ["diffusers-unet", "diffusers-vae", "transformers-from-config", pytest.param("probes", marks=pytest.mark.matrix),
+         "transformers-qwen2", "transformers-qwen2-bf16", pytest.param("transformers-qwen2-missing", marks=pytest.mark.matrix),
+         "transformers-mixtral", "transformers-qwen3-moe", "transformers-clip-text"]
 
 
 def run_python(args, env_extra):
@@ -39,6 +47,31 @@ with cpu_kernel_fallbacks():
     D.AutoencoderKL(block_out_channels=[4, 8], in_channels=3, out_channels=3,
         down_block_types=["DownEncoderBlock2D"] * 2, up_block_types=["UpDecoderBlock2D"] * 2, latent_channels=4,
         norm_num_groups=4, sample_size=16).save_pretrained(os.path.join({str(root)!r}, "diffusers-vae"))
+    import transformers as hf
+    import mindone.transformers as mt
+    from safetensors.numpy import load_file, save_file
+    small = dict(vocab_size=128, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
+    for name, model in (
+            ("transformers-qwen2", mt.Qwen2ForCausalLM(hf.Qwen2Config(intermediate_size=64, **small))),
+            ("transformers-mixtral", mt.MixtralForCausalLM(hf.MixtralConfig(
+                intermediate_size=16, num_local_experts=8, num_experts_per_tok=2, **small))),
+            ("transformers-qwen3-moe", mt.Qwen3MoeForCausalLM(hf.Qwen3MoeConfig(
+                intermediate_size=64, moe_intermediate_size=16, num_experts=8, num_experts_per_tok=2, head_dim=8,
+                **small))),
+            ("transformers-clip-text", mt.CLIPTextModel(hf.CLIPTextConfig(
+                vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                max_position_embeddings=16)))):
+        model.save_pretrained(os.path.join({str(root)!r}, name))
+    source, missing = os.path.join({str(root)!r}, "transformers-qwen2"), os.path.join({str(root)!r}, "transformers-qwen2-missing")
+    os.makedirs(missing)
+    for name in os.listdir(source):
+        if name.endswith(".json"):
+            with open(os.path.join(source, name)) as f, open(os.path.join(missing, name), "w") as g:
+                g.write(f.read())
+    tensors = load_file(os.path.join(source, "model.safetensors"))
+    for key in ("model.layers.1.mlp.up_proj.weight", "model.layers.0.self_attn.q_proj.bias", "lm_head.weight"):
+        del tensors[key]
+    save_file(tensors, os.path.join(missing, "model.safetensors"), metadata={{"format": "np"}})
 """
     proc = run_python(["-c", code], env_extra={"MS_LOADPATCH": "0"})
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -46,7 +79,8 @@ with cpu_kernel_fallbacks():
 
 
 def _draws(case, directory, plugin: bool):
-    env = {"PYTHONHASHSEED": "0", "GLOG_v": "3"}
+    # a small MoE passes every construction technique from its first cell (experts copied)
+    env = {"PYTHONHASHSEED": "0", "GLOG_v": "3", "MS_LOADPATCH_FAST_CONSTRUCTION_FROM": "0"}
     if not plugin:
         env["MS_LOADPATCH"] = "0"
     proc = run_python([CHILD, case, directory], env_extra=env)

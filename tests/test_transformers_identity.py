@@ -165,12 +165,9 @@ def _edit_checkpoint(src, dst, edit):
     return dst
 
 
-def _stats_close(a, b, rel=0.25):
-    a, b = a.astype(np.float32), b.astype(np.float32)
-    return abs(a.std() - b.std()) <= rel * max(a.std(), b.std()) and abs(a.mean() - b.mean()) <= 0.1 * max(a.std(), 1e-3) + 1e-3
-
-
 def test_missing_and_unexpected_keys(checkpoints, tmp_path):
+    """Weights the checkpoint lacks get exactly the unpatched values (their
+    initializers' draws, taken in the unpatched order), as fp32 and cast."""
     dropped = ["model.layers.1.mlp.up_proj.weight", "model.layers.0.self_attn.q_proj.bias", "model.norm.weight"]
 
     def edit(tensors):
@@ -184,17 +181,15 @@ def test_missing_and_unexpected_keys(checkpoints, tmp_path):
         (ref, ref_info), (acc, acc_info) = load_both(lambda: _load(mt.Qwen2ForCausalLM, path, **kwargs))
         assert acc_info == ref_info
         assert set(dropped) <= set(acc_info["missing_keys"]) and acc_info["unexpected_keys"] == ["model.extra_head.weight"]
-        problems = compare(snapshot(ref), snapshot(acc), skip_values=set(dropped))
-        assert not problems, problems
+        assert_same_model(ref, acc)
+        # the norm's weight is made from a tensor (never lazy): the other two are filled
+        assert last_report().missing_initialised == 2 and last_report().draws_taken > 0
         params = dict(acc.parameters_and_names())
-        ref_params = dict(ref.parameters_and_names())
         assert not any(p.has_init for p in params.values())
         # initialised as mindone does: Normal(0, initializer_range) weights, zero bias, ones norm
         weight = params["model.layers.1.mlp.up_proj.weight"].astype(ms.float32).asnumpy()
-        assert _stats_close(weight, ref_params["model.layers.1.mlp.up_proj.weight"].astype(ms.float32).asnumpy())
         assert abs(weight.std() - acc.config.initializer_range) < 0.25 * acc.config.initializer_range
-        bias = params["model.layers.0.self_attn.q_proj.bias"].astype(ms.float32).asnumpy()
-        assert np.array_equal(bias, ref_params["model.layers.0.self_attn.q_proj.bias"].astype(ms.float32).asnumpy())
+        assert not params["model.layers.0.self_attn.q_proj.bias"].astype(ms.float32).asnumpy().any()
         assert np.array_equal(params["model.norm.weight"].astype(ms.float32).asnumpy(), np.ones(32, np.float32))
 
 
@@ -207,10 +202,9 @@ def test_mismatched_sizes_ignored(checkpoints, tmp_path):
     key = "model.layers.0.mlp.down_proj.weight"
     (ref, ref_info), (acc, acc_info) = load_both(lambda: _load(mt.LlamaForCausalLM, path, ignore_mismatched_sizes=True))
     assert acc_info == ref_info and [k[0] for k in acc_info["mismatched_keys"]] == [key]
-    assert not compare(snapshot(ref), snapshot(acc), skip_values={key})
+    assert_same_model(ref, acc)  # the mismatched weight too: its initializer's unpatched draw
     weight = dict(acc.parameters_and_names())[key]
     assert not weight.has_init and weight.shape == (32, 64)
-    assert _stats_close(weight.asnumpy(), dict(ref.parameters_and_names())[key].asnumpy())
     with ms_loadpatch.disabled(), pytest.raises(RuntimeError, match="size mismatch"):
         mt.LlamaForCausalLM.from_pretrained(path)
     with pytest.raises(RuntimeError, match="size mismatch"):
@@ -324,16 +318,16 @@ class _NoPostInitQwen2(mt.Qwen2ForCausalLM):
         self.extra = ms.nn.Dense(4, 4, weight_init="ones", bias_init="zeros")
 
 
-@pytest.mark.parametrize("cls", [_LateCellQwen2, _NoPostInitQwen2], ids=["late-cell", "no-post-init"])
-def test_cells_no_init_pass_visited_left_as_unpatched(checkpoints, cls):
+# (model, parameters built lazily and then filled): the late cell is built after the window closed;
+# of no-post-init's three missing weights, lm_head's is tied to the loaded embedding
+@pytest.mark.parametrize("cls,filled", [(_LateCellQwen2, 0), (_NoPostInitQwen2, 2)], ids=["late-cell", "no-post-init"])
+def test_cells_no_init_pass_visited_left_as_unpatched(checkpoints, cls, filled):
     """Weights the checkpoint lacks, in cells post_init's init pass never
     visited, get their own initializers' values (bit-identical to an
     unpatched load), and the cells' state is the unpatched one."""
     path = checkpoints["qwen2"]["fp32"]
-    with ms_loadpatch.disabled():
-        ref, ref_info = _load(cls, path)
-    acc, acc_info = _load(cls, path)
-    assert last_report().tensors_assigned > 0 and last_report().cells_reinitialised == 0
+    (ref, ref_info), (acc, acc_info) = load_both(lambda: _load(cls, path))
+    assert last_report().tensors_assigned > 0 and last_report().missing_initialised == filled
     assert acc_info == ref_info and ref_info["missing_keys"]
     assert_same_model(ref, acc)
     skip = (building.CellInitTemplate.PER_INSTANCE_TIME, "init_tensor")

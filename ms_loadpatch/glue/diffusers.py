@@ -99,7 +99,7 @@ def _finish(ctx, result) -> None:
         report.technique = "fallback to mindone: its loading path did not run"
     else:
         with report.phase("init-missing"):
-            report.cells_reinitialised = initialise_lazy(model)
+            report.missing_initialised = initialise_lazy(model)
 
 
 def no_init_parameters(wrapped, instance, args, kwargs):

@@ -10,7 +10,6 @@ accelerated load is active in the calling thread.
 
 from __future__ import annotations
 
-import functools
 import logging
 import os
 import sys
@@ -22,7 +21,7 @@ from . import common
 from .calls import argument, inside_load
 from ..strategy import cellpasses, context
 from ..strategy.assign import assign, cast_parameters, cell_to_keeping_lazy, check_and_pair
-from ..strategy.building import window
+from ..strategy.building import draws, init_pass, window
 from ..strategy.construct import initialize_unloaded, lazy_construction, refresh_parameter_names, state_index
 from ..strategy.reader import file_named_in_errors, safe_open_error_naming_file
 from ..strategy.tensors import to_tensor
@@ -153,16 +152,22 @@ def model_init(wrapped, instance, args, kwargs):
     ctx = context.current()
     if ctx is not None and ctx.construction_root is None:
         ctx.construction_root = instance
+        # the unpatched build runs every initializer: the lazy one takes their draws (kept until the load ends)
+        ctx.ledger = draws.Ledger()
+        ctx.cleanup.enter_context(draws.giving_back(ctx.ledger))
         ctx.exit_stack.enter_context(ctx.report.phase("construct"))
         ctx.exit_stack.enter_context(lazy_construction(checkpoint_tensors=ctx.checkpoint_tensors(),
-                                                       when_built=ctx.report.note_construction))
+                                                       when_built=ctx.report.note_construction, ledger=ctx.ledger))
         ctx.constructing = True
     return wrapped(*args, **kwargs)
 
 
 def init_weights(wrapped, instance, args, kwargs):
-    """Skip the random init pass of a lazily built model (it is overwritten, or
-    done later for exactly the weights the checkpoint lacks); keep the rest."""
+    """post_init's init pass over a lazily built model: the same
+    `_init_weights` calls in the same order, keeping parameters lazy where
+    they only get a new initializer (its draw taken, its values made only if
+    the checkpoint lacks them); its tie_weights is skipped (from_pretrained
+    ties after the build), the parameter names refreshed as mindone does."""
     ctx = context.current()
     if ctx is None or not ctx.constructing:
         if _modeling_utils()._init_weights or not window.in_builder():
@@ -170,11 +175,33 @@ def init_weights(wrapped, instance, args, kwargs):
         # a build inside lazy_construction() with mindone's init pass off: what init_weights does then
         refresh_parameter_names(instance)
         return None
-    # what init_weights does besides init, and the flag its skipped init pass puts in each cell's __dict__
-    refresh_parameter_names(instance, _flagging_initialized() if _modeling_utils()._init_weights else None)
+    if _modeling_utils()._init_weights:
+        with ctx.report.phase("init-pass"), init_pass.filling_on_touch() as filled:
+            init_pass.run(instance, _initialize_weights(instance))
+        ctx.report.filled_in_init_pass += filled.count
+    refresh_parameter_names(instance)
     if instance is ctx.construction_root:
         ctx.close_construction()
     return None
+
+
+def _initialize_weights(owner):
+    """owner._initialize_weights as a function of the cell: mindone's
+    (`_init_weights` unless the cell is flagged, then the flag), its
+    `hasattr` answered by cellpasses; a model's own override as it is."""
+    base = _modeling_utils().PreTrainedModel
+    if type(owner)._initialize_weights is not base._initialize_weights:
+        return owner._initialize_weights
+    has_attribute, set_plain = cellpasses.lookups()
+    init = owner._init_weights
+
+    def initialize(cell):
+        if has_attribute(cell, "_is_hf_initialized") and getattr(cell, "_is_hf_initialized", False):
+            return
+        init(cell)
+        set_plain(cell, "_is_hf_initialized", True)
+
+    return initialize
 
 
 # mindone 0.5's PreTrainedModel.tie_weights, which tie_weights below repeats: the names its code uses
@@ -224,7 +251,9 @@ def load_pretrained_model(ctx, wrapped, instance, args, kwargs):
                                           lambda: sharded_metadata.get("weight_map") or {})
     model = result[0]
     with ctx.report.phase("init-missing"):
-        ctx.report.cells_reinitialised = initialize_unloaded(model, ctx.loaded, _initializer_for)
+        ctx.report.missing_initialised = initialize_unloaded(model, ctx.ledger)
+    if ctx.ledger is not None:
+        ctx.report.draws_taken, ctx.report.initializers_run_in_full = ctx.ledger.draws, ctx.ledger.run_in_full
     ctx.state.load_done = True
     ctx.loaded.clear()
     return result
@@ -342,39 +371,3 @@ class GcWithoutPerShardCollect(wrapt.ObjectProxy):
         if context.current() is not None:
             return 0
         return self.__wrapped__.collect(*args, **kwargs)
-
-
-def _flagging_initialized():
-    """A function putting `_is_hf_initialized = True` on a cell, as post_init's
-    init pass (`_initialize_weights` through `apply`) leaves every cell:
-    initialize_unloaded reads the flag to know which cells that pass would
-    have initialised. Through cellpasses where its probe passed."""
-    has_attribute, set_plain = cellpasses.lookups()
-
-    def flag(cell):
-        if not (has_attribute(cell, "_is_hf_initialized") and getattr(cell, "_is_hf_initialized", False)):
-            set_plain(cell, "_is_hf_initialized", True)
-
-    return flag
-
-
-def _initializer_for(cell, parents):
-    """The innermost pretrained model enclosing `cell` initialises it, as its
-    post_init would have; None (the parameters' own initializers, as built)
-    for a cell no init pass visited: unflagged, because it was added after
-    post_init, its model never reached post_init, or init was off."""
-    if not getattr(cell, "_is_hf_initialized", False):
-        return None
-    base = _modeling_utils().PreTrainedModel
-    for owner in (cell,) + tuple(reversed(parents)):
-        if isinstance(owner, base):
-            return functools.partial(_initialize_weights_now, owner)
-    return None
-
-
-def _initialize_weights_now(owner, cell) -> None:
-    """owner._initialize_weights(cell), which skips flagged cells: the flag
-    init_weights already set is cleared in place (keeping its __dict__ slot)."""
-    if getattr(cell, "_is_hf_initialized", False):
-        cell._is_hf_initialized = False
-    owner._initialize_weights(cell)

@@ -226,7 +226,8 @@ def assign_in_final_dtype(index, state_dict, dtype, keep_in_fp32_modules, report
 
 def initialise_lazy(model) -> int:
     """Give every parameter still lazy (not in the checkpoint) its initializer's
-    value now, in its current dtype; mindone would do it at first use."""
+    value now, in its current dtype; mindone would do it at first use.
+    Returns how many."""
     count = 0
     seen = set()
     for _, cell in model.cells_and_names():
@@ -236,5 +237,5 @@ def initialise_lazy(model) -> int:
         lazy = [p for p in cell._params.values() if p is not None and p.has_init]
         for param in lazy:
             param.init_data()
-        count += bool(lazy)
+        count += len(lazy)
     return count

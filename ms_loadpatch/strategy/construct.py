@@ -5,9 +5,8 @@ from __future__ import annotations
 
 import contextlib
 
-from .assign import fill
 from . import building
-from .building import fast_construction
+from .building import draws, fast_construction
 from .building.lazy import CONSTRUCTION_LOCK, lazy_parameters
 
 __all__ = ["CONSTRUCTION_LOCK", "lazy_construction", "refresh_parameter_names", "walk_cells", "state_index",
@@ -15,15 +14,18 @@ __all__ = ["CONSTRUCTION_LOCK", "lazy_construction", "refresh_parameter_names", 
 
 
 @contextlib.contextmanager
-def lazy_construction(fast: bool = True, checkpoint_tensors: int | None = None, when_built=None):
+def lazy_construction(fast: bool = True, checkpoint_tensors: int | None = None, when_built=None, ledger=None):
     """Parameters built from initializers in this thread stay lazy (no memory,
     no random fill); with `fast`, cells are built through the probed
     construction techniques too (strategy/building: same objects, less Python
     work), from the first cell when `checkpoint_tensors` says the model is large.
+    With a `ledger` (draws.Ledger), each lazy parameter takes the random
+    draws a plain build makes filling it, when it is made: for a build the
+    unpatched call makes with its initializers run.
     `when_built()` runs once the techniques' window has closed, still under
     CONSTRUCTION_LOCK: what the window noted is this build's until the lock
     is released (another thread's build then overwrites it)."""
-    with lazy_parameters():
+    with lazy_parameters(), draws.accounting(ledger) if ledger is not None else contextlib.nullcontext():
         try:
             with fast_construction(checkpoint_tensors=checkpoint_tensors) if fast else contextlib.nullcontext():
                 yield
@@ -102,44 +104,17 @@ def as_load_state_dict_leaves_it(cell, name: str) -> None:
                 "load this model with ms_loadpatch.disabled()")
 
 
-def initialize_unloaded(root, loaded: dict, initialize_for):
-    """Give every parameter the checkpoint did not fill the value an unpatched
-    load gives it: the model's own `_init_weights` for its cell (run by the
-    nearest enclosing pretrained model, as post_init does), else the
-    parameter's own initializer.
-
-    `loaded`: id(param) -> the tensor assigned to it. `initialize_for(cell,
-    parents)` returns a callable that initialises `cell`, or None.
-    Returns the number of cells re-initialised.
-    """
-    reinitialised = 0
-    seen = set()
-    reached = []  # every cell's parameters, in walk order: what get_parameters below can yield
-    for _, cell, parents in walk_cells(root):
-        if id(cell) in seen:
-            continue
-        seen.add(id(cell))
-        own = [p for p in cell._params.values() if p is not None]
-        reached += own
-        if not any(id(p) not in loaded for p in own):
-            continue
-        initialize = initialize_for(cell, parents)
-        if initialize is None:
-            continue
-        for param in own:  # _init_weights indexes and fills: needs real storage
-            if param.has_init:
-                param.init_data()
-        initialize(cell)
-        reinitialised += 1
-        # _init_weights filled the whole cell; put back what the checkpoint gave
-        for _, sub, _ in walk_cells(cell):
-            for param in sub._params.values():
-                if param is not None and id(param) in loaded:
-                    fill(param, loaded[id(param)])
-    # get_parameters yields a subset of `reached` (or an inited_param instead): when none of those
-    # is lazy and no _init_weights ran (which may have swapped parameters), it finds nothing to init
-    if reinitialised or any(param.has_init or param.inited_param is not None for param in reached):
+def initialize_unloaded(root, ledger) -> int:
+    """Give every parameter still lazy (the checkpoint lacked it) the value
+    an unpatched load gives it: its initializer's, with the draw the
+    ledger took for it when it was made (draws.Ledger), in
+    `root.get_parameters()` order. Returns how many were filled."""
+    filled = 0
+    with draws.giving_back(ledger) if ledger is not None else contextlib.nullcontext():
         for param in root.get_parameters():
             if param.has_init:
                 param.init_data()
-    return reinitialised
+                filled += 1
+    if ledger is not None:
+        ledger.forget()
+    return filled

@@ -30,7 +30,12 @@ class LoadReport:
         self.tensors_cast = 0
         self.tensors_cast_while_reading = 0  # of tensors_cast: cast as they were read (castread)
         self.tensors_read_again = 0  # cast while reading, but their parameter needed the file's values
-        self.cells_reinitialised = 0
+        self.missing_initialised = 0  # parameters the checkpoint lacked, given their unpatched values
+        # lazy parameters' random draws (strategy/building/draws.py, transformers): taken when made,
+        # initializers run in full for want of a known draw, parameters the init pass read and so filled
+        self.draws_taken = 0
+        self.initializers_run_in_full = 0
+        self.filled_in_init_pass = 0
         self.shards = 0
         self.read_workers = 1  # files read at once (HF_ENABLE_PARALLEL_LOADING)
         self.read_threads = 1  # threads reading one large file, this rank's share of the node
@@ -71,9 +76,16 @@ class LoadReport:
             f"{self.library} {self.model_class}: {self.total:.3f}s ({phases}); "
             f"{self.tensors_read} tensors read from {self.shards} file(s) with {self.read_workers} worker(s) "
             f"of up to {self.read_threads} thread(s){self._rank_text()}, "
-            f"{self.tensors_assigned} assigned, {self.tensors_cast} cast{self._cast_text()}, {self.cells_reinitialised} cells "
-            f"initialised for missing weights; technique: {self.technique}{self._construction_text()}"
+            f"{self.tensors_assigned} assigned, {self.tensors_cast} cast{self._cast_text()}, "
+            f"{self.missing_initialised} parameters initialised for missing weights{self._draws_text()}; "
+            f"technique: {self.technique}{self._construction_text()}"
         )
+
+    def _draws_text(self) -> str:
+        if not (self.draws_taken or self.initializers_run_in_full or self.filled_in_init_pass):
+            return ""
+        return (f", {self.draws_taken} random draws taken for lazy parameters ({self.initializers_run_in_full} "
+                f"initializers run in full, {self.filled_in_init_pass} parameters filled in the init pass)")
 
     def _cast_text(self) -> str:
         return cast_detail(self.tensors_cast_while_reading, self.tensors_read_again)
@@ -189,6 +201,7 @@ class LoadContext:
         self.cleanup = contextlib.ExitStack()  # everything else, closed when the load ends
         self.construction_root = None
         self.constructing = False
+        self.ledger = None  # the random draws of its lazy parameters (building.draws.Ledger), transformers only
         self.loaded: dict[int, object] = {}  # id(param) -> tensor assigned
         self.state = LoadState()
 

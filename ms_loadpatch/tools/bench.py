@@ -581,7 +581,7 @@ def format_table(results: dict, title: str | None = None) -> str:
                      f"{report.get('read_workers')} worker(s) of up to {report.get('read_threads')} thread(s), "
                      f"{report.get('tensors_assigned')} assigned, "
                      f"{report.get('tensors_cast')} cast{_while_reading(report)}, "
-                     f"{report.get('cells_reinitialised')} cells initialised "
+                     f"{report.get('missing_initialised')} parameters initialised "
                      "for missing weights")
         start = report.get("fast_construction_from")
         lines.append(f"  technique: {report.get('technique')}"

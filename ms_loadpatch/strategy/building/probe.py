@@ -14,7 +14,7 @@ from __future__ import annotations
 import contextlib
 import copy
 
-from . import window
+from . import draws, window
 from .lazy import lazy_parameters
 from .state import first_difference, model_state
 from .technique import ProbeFailed
@@ -145,14 +145,28 @@ def _no_cyclic_collection():
 
 
 def _build_probe(techniques=(), make=_probe_model):
-    with lazy_parameters(), \
+    """(model, registry deltas, compile-cache entries, numpy's global state
+    after the build): built from a fixed numpy seed, its lazy parameters
+    taking their draws (draws.py) and filled afterwards with them, as a load
+    fills what its checkpoint lacks. The caller keeps the global state."""
+    import numpy as np
+
+    np.random.seed(20241127)
+    ledger = draws.Ledger()
+    with lazy_parameters(), draws.accounting(ledger), \
             (contextlib.nullcontext() if any(t.pauses_collection for t in techniques) else _no_cyclic_collection()):
         before = _registries()
         with window.open_window(lambda: list(techniques), record=False):
             model = make()
         after = _registries()
+    random_state = np.random.get_state()
+    with draws.giving_back(ledger):
+        for param in model.get_parameters():
+            if param.has_init:
+                param.init_data()
     registered = _compile_cache_entries(model)
-    return model, tuple(a - b if a is not None and b is not None else None for a, b in zip(after, before)), registered
+    return (model, tuple(a - b if a is not None and b is not None else None for a, b in zip(after, before)),
+            registered, (random_state[1].tobytes(), random_state[2]))
 
 
 def _compile_cache_entries(model):
@@ -188,9 +202,9 @@ _reference = None  # the plain probe model's (state, registry deltas, compile-ca
 def _plain_reference():
     global _reference
     if _reference is None:
-        model, delta, registered = _build_probe()
+        model, delta, registered, random_state = _build_probe()
         state = model_state(model)
-        _reference = (state, delta, registered, _probe_output(model))
+        _reference = (state, delta, registered, random_state, _probe_output(model))
     return _reference
 
 
@@ -206,8 +220,11 @@ def _prepare(technique) -> str | None:
 
 def _build_difference(reference, candidate) -> str | None:
     """Why a probe build differs from the plain one, each given as (registry
-    deltas, compile-cache entries, model state); None when it does not."""
-    (ref_delta, ref_registered, ref_state), (delta, registered, state) = reference, candidate
+    deltas, compile-cache entries, numpy's state after the build, model
+    state); None when it does not."""
+    (ref_delta, ref_registered, ref_random, ref_state), (delta, registered, random, state) = reference, candidate
+    if ref_random != random:
+        return "numpy's global random state after the build differs (random draws taken differently)"
     if ref_delta != delta:
         return f"global registries change differently (instance count, compile cache, cells): {delta} != {ref_delta}"
     if ref_registered != registered:
@@ -222,15 +239,15 @@ def _compare(techniques, alongside=()) -> str | None:
     techniques already probed that real builds install with them) equals
     the plain one."""
     try:
-        ref_state, ref_delta, ref_registered, ref_output = _plain_reference()
+        ref_state, ref_delta, ref_registered, ref_random, ref_output = _plain_reference()
         tokens = [t.probe_started() for t in techniques]
-        candidate, cand_delta, cand_registered = _build_probe((*techniques, *alongside))
+        candidate, cand_delta, cand_registered, cand_random = _build_probe((*techniques, *alongside))
         for technique, token in zip(techniques, tokens):
             reason = technique.probe_finished(token)
             if reason is not None:
                 return reason
-        reason = _build_difference((ref_delta, ref_registered, ref_state),
-                                   (cand_delta, cand_registered, model_state(candidate)))
+        reason = _build_difference((ref_delta, ref_registered, ref_random, ref_state),
+                                   (cand_delta, cand_registered, cand_random, model_state(candidate)))
         if reason is not None:
             return reason
         values, *output = _probe_output(candidate)
@@ -248,14 +265,14 @@ def _compare_own(technique) -> str | None:
     built with it equals a plain build: registries, whole state, and what
     `technique.probe_values` renders (values the state leaves out)."""
     try:
-        plain, plain_delta, plain_registered = _build_probe((), technique.probe_model)
+        plain, plain_delta, plain_registered, plain_random = _build_probe((), technique.probe_model)
         token = technique.probe_started()
-        candidate, cand_delta, cand_registered = _build_probe((technique,), technique.probe_model)
+        candidate, cand_delta, cand_registered, cand_random = _build_probe((technique,), technique.probe_model)
         reason = technique.probe_finished(token)
         if reason is not None:
             return reason
-        reason = _build_difference((plain_delta, plain_registered, model_state(plain)),
-                                   (cand_delta, cand_registered, model_state(candidate)))
+        reason = _build_difference((plain_delta, plain_registered, plain_random, model_state(plain)),
+                                   (cand_delta, cand_registered, cand_random, model_state(candidate)))
         if reason is not None:
             return reason
         plain_values, cand_values = technique.probe_values(plain), technique.probe_values(candidate)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import collections
 
+from . import draws
 from .cell_init_template import CellInitTemplate
 
 SCALARS = (type(None), bool, int, float, complex, str, bytes)
@@ -125,7 +126,8 @@ class RecipeWriter:
         flags = dict(requires_grad=param.requires_grad, layerwise_parallel=param.layerwise_parallel,
                      parallel_optimizer=param.parallel_optimizer)
         shape, dtype = tuple(init_tensor.shape), init_tensor.dtype
-        fresh = t.parameter_class(t.initializer(copy_initializer(init), shape, dtype), name=param.name, **flags)
+        with draws.suspended():  # a scratch parameter the plain build never makes: no draw
+            fresh = t.parameter_class(t.initializer(copy_initializer(init), shape, dtype), name=param.name, **flags)
         overrides = []
         for key, value in vars(param).items():
             other = vars(fresh).get(key, _MISSING)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 
-from . import window
+from . import draws, window
 from .recipes import SCALARS, RecipeWriter, Unclonable, copy_initializer, same_recipe
 from .state import model_state
 from .technique import InitHooks, ProbeFailed, Technique, cell_registration
@@ -220,7 +220,8 @@ class SiblingClone(Technique):
             return ("never", "two builds with the same arguments gave different recipes", snapshot)
         try:
             copy = type(cell).__new__(type(cell))
-            self._fill_root(copy, recipe)
+            with draws.suspended():  # a trial copy the plain build never makes: no draws
+                self._fill_root(copy, recipe)
             same = model_state(copy) == model_state(cell)
         except Exception as exc:
             return ("never", f"copying failed: {type(exc).__name__}: {exc}", snapshot)

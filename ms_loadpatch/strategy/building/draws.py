@@ -1,0 +1,336 @@
+"""Lazy parameters that take their random draws when they are created.
+
+mindspore's random initializers seed themselves from numpy's global
+RandomState (`mindspore.common.initializer._numpy_seed`, one draw each) when
+they fill a tensor. A plain build fills every parameter as it is made, so it
+draws once per random initializer, in creation order; a lazy build fills
+none. While a `Ledger` accounts in a thread, a parameter made lazy there (or
+given a new initializer while lazy, as an `_init_weights` does) takes its
+initializer's draw at that moment, exactly as the plain build would, and
+the ledger keeps the seed; when the parameter is filled later (the checkpoint
+lacks it), its initializer gets that seed back instead of drawing again. So
+numpy's global state, and the values of what the checkpoint lacks, are the
+plain build's.
+
+An initializer of a class not known to draw exactly once (`ONE_DRAW`, checked
+once per process by `probe()`) or never (`NO_DRAW`) is run in full on a
+scratch array when the parameter is made: the same draws, the data kept for
+a later fill (exact; slower only there, counted in `Ledger.run_in_full`).
+
+Patched while a ledger is active, for the accounting thread only (other
+threads get mindspore's own behaviour): `Parameter.init_mode` (a descriptor
+over the instance attribute, where the draw is taken), `Tensor.init_data`
+(where a kept seed is given back) and `initializer._numpy_seed`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+
+import numpy as np
+
+# initializer classes (mindspore.common.initializer) by how many draws filling a tensor takes
+NO_DRAW = ("Zero", "One", "Constant")
+ONE_DRAW = ("Normal", "Uniform", "TruncatedNormal", "HeUniform", "HeNormal", "XavierUniform", "XavierNormal",
+            "VarianceScaling", "Orthogonal")
+
+_local = threading.local()  # .ledger: accounting here; .replay: a seed to give back; .captured
+_install_lock = threading.Lock()
+_installs = 0
+_originals: dict = {}
+
+
+class _SeedTaken(Exception):
+    """Raised by the patched _numpy_seed once it has taken the draw: the initializer stops before filling."""
+
+
+class _Installed:
+    """The patches, held while any thread has a ledger active or is giving a seed back."""
+
+    def __enter__(self):
+        global _installs
+        with _install_lock:
+            if _installs == 0:
+                _install()
+            _installs += 1
+        return self
+
+    def __exit__(self, *exc):
+        global _installs
+        with _install_lock:
+            _installs -= 1
+            if _installs == 0:
+                _uninstall()
+
+
+def _install():
+    from mindspore import Parameter, Tensor
+    from mindspore.common import initializer as module
+
+    numpy_seed, init_data = module._numpy_seed, vars(Tensor)["init_data"]
+    _originals.update(numpy_seed=numpy_seed, init_data=init_data, module=module, Parameter=Parameter,
+                      Tensor=Tensor)
+
+    def _numpy_seed():
+        replay = getattr(_local, "replay", None)
+        if replay is not None:
+            _local.replay = None
+            return replay
+        seed = numpy_seed()
+        if getattr(_local, "capturing", False):
+            _local.captured = seed
+            raise _SeedTaken
+        return seed
+
+    def patched_init_data(self, *args, **kwargs):
+        ledger = getattr(_local, "ledger", None)
+        entry = ledger.seeds.pop(id(self), None) if ledger is not None else None
+        if entry is None:
+            return init_data(self, *args, **kwargs)
+        _tensor, taken = entry
+        if isinstance(taken, np.ndarray):  # run in full when made: its values
+            self.init = _Values(taken)
+            return init_data(self, *args, **kwargs)
+        _local.replay = taken
+        try:
+            return init_data(self, *args, **kwargs)
+        finally:
+            left, _local.replay = _local.replay, None
+            if left is not None:
+                raise RuntimeError("ms_loadpatch: an initializer filled a tensor without taking its random draw")
+
+    patched_init_data.__wrapped__ = init_data
+    module._numpy_seed = _numpy_seed
+    Tensor.init_data = patched_init_data
+    Parameter.init_mode = _InitMode()
+
+
+def _uninstall():
+    module, Parameter, Tensor = _originals["module"], _originals["Parameter"], _originals["Tensor"]
+    module._numpy_seed = _originals["numpy_seed"]
+    Tensor.init_data = _originals["init_data"]
+    if isinstance(vars(Parameter).get("init_mode"), _InitMode):
+        del Parameter.init_mode
+    _originals.clear()
+
+
+def leftovers() -> list[str]:
+    """What an ended ledger would have left patched (for tests)."""
+    if _installs or _originals:
+        return [f"random-draw accounting still installed ({_installs} user(s))"]
+    return []
+
+
+class _InitMode:
+    """Parameter.init_mode while installed: the instance's own attribute,
+    and, when it is set to a lazy initializer tensor in a thread whose ledger
+    accounts, that tensor's draws taken now (Parameter.__new__ and set_data
+    on a lazy parameter are where mindspore sets it)."""
+
+    def __get__(self, param, owner=None):
+        if param is None:
+            return self
+        try:
+            return param.__dict__["init_mode"]
+        except KeyError:
+            raise AttributeError("init_mode") from None
+
+    def __set__(self, param, value):
+        param.__dict__["init_mode"] = value
+        ledger = getattr(_local, "ledger", None)
+        if ledger is not None and value is not None:
+            ledger.take(value)
+
+    def __delete__(self, param):
+        del param.__dict__["init_mode"]
+
+
+class _Values:
+    """An initializer giving back the values a run in full made."""
+
+    def __init__(self, values):
+        self.values = values
+        self.seed = (None, None)
+
+    def __call__(self, arr):
+        np.copyto(arr, self.values)
+
+
+class Ledger:
+    """One load's seeds: id(initializer tensor) -> (tensor, seed or values)."""
+
+    def __init__(self, classes=None):
+        self.seeds: dict[int, tuple] = {}
+        self.draws = 0  # draws taken for lazy tensors
+        self.run_in_full = 0  # initializers run in full on a scratch array
+        # (classes that never draw, classes that draw once), verified on this mindspore
+        self.classes = classes if classes is not None else verified_classes()[:2]
+
+    def take(self, tensor) -> None:
+        """The draws the plain build makes when it fills `tensor` (a lazy
+        parameter's initializer tensor), taken now."""
+        init = tensor.init
+        if init is None or id(tensor) in self.seeds:
+            return
+        no_draw, one_draw = self.classes
+        kind = type(init)
+        if kind in no_draw:
+            return
+        from mindspore.common import dtype as mstype
+
+        # what Tensor.init_data fills (int8 holds qint4x2)
+        dtype = mstype.int8 if tensor.dtype == mstype.qint4x2 else tensor.dtype
+        scratch = np.ndarray(tensor.shape, dtype=mstype._dtype_to_nptype(dtype))
+        if kind in one_draw:
+            _local.capturing = True
+            try:
+                init(scratch)
+            except _SeedTaken:
+                self.seeds[id(tensor)] = (tensor, _local.captured)
+                self.draws += 1
+                return
+            finally:
+                _local.capturing = False
+        else:
+            init(scratch)
+        self.seeds[id(tensor)] = (tensor, scratch)  # filled without a draw we know: its values
+        self.run_in_full += 1
+
+    def forget(self) -> None:
+        self.seeds.clear()
+
+
+@contextlib.contextmanager
+def accounting(ledger: Ledger):
+    """Lazy parameters made in this thread take their draws into `ledger`;
+    a lazy tensor it holds gives its seed back when filled, here or later
+    while `giving_back(ledger)` is held."""
+    outer = getattr(_local, "ledger", None)
+    with _Installed():
+        _local.ledger = ledger
+        try:
+            yield ledger
+        finally:
+            _local.ledger = outer
+
+
+@contextlib.contextmanager
+def suspended():
+    """No accounting in this thread (objects the plain build does not make: probes, scratch parameters)."""
+    outer = getattr(_local, "ledger", None)
+    _local.ledger = None
+    try:
+        yield
+    finally:
+        _local.ledger = outer
+
+
+@contextlib.contextmanager
+def giving_back(ledger: Ledger):
+    """Tensors `ledger` accounted for are filled with their own seeds (no new
+    accounting: the ledger only gives back)."""
+    outer = getattr(_local, "ledger", None)
+    with _Installed():
+        _local.ledger = _GiveBackOnly(ledger)
+        try:
+            yield
+        finally:
+            _local.ledger = outer
+
+
+class _GiveBackOnly:
+    def __init__(self, ledger):
+        self.seeds = ledger.seeds
+
+    def take(self, tensor) -> None:
+        pass
+
+
+# -- which classes draw as the tables say, on this mindspore (once per process)
+
+_verified = None
+_verify_lock = threading.Lock()
+
+
+def verified_classes() -> tuple[frozenset, frozenset, str | None]:
+    """(classes that never draw, classes that draw exactly once, a problem):
+    the NO_DRAW / ONE_DRAW classes whose draws and values `_verify` confirmed
+    here (any other is run in full), and why accounting cannot be exact at
+    all (None when it can)."""
+    global _verified
+    if _verified is None:
+        with _verify_lock:
+            if _verified is None:
+                try:
+                    _verified = _verify()
+                except Exception as exc:  # an internal it relies on changed
+                    _verified = (frozenset(), frozenset(), f"{type(exc).__name__}: {exc}")
+    return _verified
+
+
+def probe() -> str | None:
+    """None when a lazy build that accounts its draws leaves numpy's global
+    RandomState and, once filled, the parameters' values exactly as a plain
+    build does; else why not."""
+    return verified_classes()[2]
+
+
+def _verify():
+    import mindspore as ms
+    from mindspore.common import initializer as module
+
+    missing = [name for name in NO_DRAW + ONE_DRAW if not isinstance(getattr(module, name, None), type)]
+    if missing or not callable(getattr(module, "_numpy_seed", None)):
+        return frozenset(), frozenset(), f"mindspore.common.initializer lacks {', '.join(missing) or '_numpy_seed'}"
+    if "init_mode" in vars(ms.Parameter) or "init_data" not in vars(ms.Tensor):
+        return frozenset(), frozenset(), "Parameter.init_mode or Tensor.init_data is not where this expects it"
+    shapes = ((6, 4), (3, 2, 2))
+    # an initializer run in full (a class the tables do not know) must match the plain build
+    for name in ("Sparse", "Identity", "Normal", "Constant"):
+        reason = _compare_one(ms, module, name, shapes[0], (frozenset(), frozenset()))
+        if reason is not None:
+            return frozenset(), frozenset(), f"{name} {shapes[0]} run in full: {reason}"
+    # a table's class that does not draw as it says is run in full
+    tables = (frozenset(getattr(module, name) for name in NO_DRAW), frozenset(getattr(module, name) for name in ONE_DRAW))
+    confirmed = [set(), set()]
+    for table, names in enumerate((NO_DRAW, ONE_DRAW)):
+        for name in names:
+            if all(_compare_one(ms, module, name, shape, tables) is None for shape in shapes):
+                confirmed[table].add(getattr(module, name))
+    return frozenset(confirmed[0]), frozenset(confirmed[1]), None
+
+
+def _initializer(module, name):
+    kind = getattr(module, name)
+    return {"Constant": lambda: kind(0.5), "Sparse": lambda: kind(0.5)}.get(name, kind)()
+
+
+def _compare_one(ms, module, name, shape, classes) -> str | None:
+    """None when a parameter of initializer `name` built lazily with a ledger
+    knowing `classes`, then filled, matches a plain build: numpy's state
+    after the build and the values."""
+    from .lazy import lazy_parameters
+
+    state = np.random.get_state()
+    try:
+        np.random.seed(1234)
+        plain = ms.Parameter(module.initializer(_initializer(module, name), shape, ms.float32), name="plain")
+        plain_values, plain_after = plain.asnumpy().tobytes(), np.random.get_state()[1].copy()
+        np.random.seed(1234)
+        ledger = Ledger(classes)
+        with lazy_parameters(), accounting(ledger):
+            lazy = ms.Parameter(module.initializer(_initializer(module, name), shape, ms.float32), name="lazy")
+        lazy_after = np.random.get_state()[1].copy()
+        np.random.random()  # draws in between do not change what a fill gives back
+        with giving_back(ledger):
+            lazy.init_data()
+        if not np.array_equal(plain_after, lazy_after):
+            return "numpy's global state after the lazy build differs"
+        if lazy.has_init or lazy.asnumpy().tobytes() != plain_values:
+            return "the filled values differ"
+        if ledger.seeds:
+            return "a seed was not given back"
+    finally:
+        np.random.set_state(state)
+    return None

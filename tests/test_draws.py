@@ -1,0 +1,196 @@
+"""Lazy parameters take the random draws of a plain build (strategy/building/draws.py)
+and a model's init pass runs over them (strategy/building/init_pass.py): the
+draws, the values of weights a checkpoint lacks, the order of the pass, and
+what they patch, only in the accounting thread and only while they run."""
+
+import os
+import threading
+
+import mindspore as ms
+import numpy as np
+import pytest
+import transformers as hf
+from mindspore import nn
+from mindspore.common.initializer import Initializer, Normal, initializer
+from safetensors.numpy import load_file, save_file
+
+import mindone.transformers as mt
+from ms_loadpatch.strategy import building
+from ms_loadpatch.strategy.building import draws, init_pass
+from ms_loadpatch.strategy.building.lazy import lazy_parameters
+from ms_loadpatch.strategy.context import last_report
+from ms_loadpatch.testing import assert_same_model, load_both
+
+pytestmark = pytest.mark.usefixtures("cpu_kernels", "plugin_enabled")
+
+
+def test_probe_passes_and_confirms_the_tables():
+    assert draws.probe() is None
+    no_draw, one_draw, _ = draws.verified_classes()
+    assert {k.__name__ for k in no_draw} == set(draws.NO_DRAW)
+    assert {k.__name__ for k in one_draw} == set(draws.ONE_DRAW)
+
+
+class TwoDraws(Initializer):
+    """An initializer the tables do not know: it draws twice from numpy's global RandomState."""
+
+    def _initialize(self, arr):
+        arr[...] = np.random.standard_normal(arr.shape) * 0.02 + np.random.rand()
+
+
+def _build(ledger=None):
+    """Three parameters: a known one-draw initializer, one the tables do not know, a no-draw one."""
+    return [ms.Parameter(initializer(init, (4, 3), ms.float32), name=f"p{i}")
+            for i, init in enumerate((Normal(0.5), TwoDraws(), "zeros"))]
+
+
+def test_lazy_build_draws_and_fills_as_a_plain_build():
+    np.random.seed(5)
+    plain = [p.asnumpy().tobytes() for p in _build()]
+    plain_after = np.random.get_state()[1].copy()
+    np.random.seed(5)
+    ledger = draws.Ledger()
+    with lazy_parameters(), draws.accounting(ledger):
+        lazy = _build()
+    assert all(p.has_init for p in lazy)
+    assert np.array_equal(np.random.get_state()[1], plain_after)
+    assert (ledger.draws, ledger.run_in_full) == (1, 1)
+    np.random.rand(3)  # later draws do not change what a fill gives back
+    with draws.giving_back(ledger):
+        for param in reversed(lazy):  # in any order
+            param.init_data()
+    assert [p.asnumpy().tobytes() for p in lazy] == plain and not ledger.seeds
+    assert draws.leftovers() == []
+
+
+def test_other_threads_build_plainly_while_a_ledger_accounts():
+    np.random.seed(9)
+    expected = ms.Parameter(initializer(Normal(0.5), (8,), ms.float32), name="x").asnumpy().tobytes()
+    seen, ready, done = {}, threading.Event(), threading.Event()
+
+    def other():
+        ready.wait()
+        np.random.seed(9)  # numpy's global state is shared: nothing of ours draws meanwhile
+        seen["value"] = ms.Parameter(initializer(Normal(0.5), (8,), ms.float32), name="x").asnumpy().tobytes()
+        done.set()
+
+    worker = threading.Thread(target=other)
+    worker.start()
+    ledger = draws.Ledger()
+    with draws.accounting(ledger):
+        ready.set()
+        done.wait(60)
+    worker.join()
+    assert seen["value"] == expected and not ledger.seeds and draws.leftovers() == []
+
+
+class _Tree(nn.Cell):
+    def __init__(self):
+        super().__init__()
+        self.shared = nn.Dense(2, 2)
+        self.a = nn.SequentialCell([nn.Dense(2, 2), self.shared])
+        self.b = nn.CellList([self.shared, nn.ReLU()])
+        self.none = None
+        self.own = _OwnApply()
+
+
+class _OwnApply(nn.Cell):
+    """Walks its children its own way: its subtree goes to its apply."""
+
+    def __init__(self):
+        super().__init__()
+        self.first, self.second = nn.ReLU(), nn.Tanh()
+
+    def apply(self, fn):
+        fn(self.second)
+        fn(self)
+        return self
+
+
+def test_cells_in_apply_order_is_cell_apply_order():
+    tree = _Tree()
+    expected = []
+    tree.apply(lambda cell: expected.append(id(cell)))
+    got = []
+    init_pass.run(tree, lambda cell: got.append(id(cell)))
+    assert got == expected
+
+
+def test_filling_on_touch_fills_lazy_parameters_with_their_own_draws_and_restores_parameter():
+    before = dict(vars(ms.Parameter))
+    np.random.seed(2)
+    plain = ms.Parameter(initializer(Normal(0.5), (4, 3), ms.float32), name="p")
+    plain[0] = 1.0
+    np.random.seed(2)
+    ledger = draws.Ledger()
+    with lazy_parameters(), draws.accounting(ledger):
+        lazy = ms.Parameter(initializer(Normal(0.5), (4, 3), ms.float32), name="p")
+        with init_pass.filling_on_touch() as filled:
+            lazy[0] = 1.0  # indexing into a lazy parameter fills it first
+            _ = lazy.data  # already filled: nothing more
+        assert filled.count == 1
+    assert not lazy.has_init and lazy.asnumpy().tobytes() == plain.asnumpy().tobytes()
+    assert dict(vars(ms.Parameter)) == before and init_pass.leftovers() == [] and draws.leftovers() == []
+
+
+class _OwnInitQwen2(mt.Qwen2ForCausalLM):
+    """An `_init_weights` with an initializer the tables do not know, a write
+    into a weight (which the init pass fills first), and a new known one."""
+
+    def _init_weights(self, module):
+        if isinstance(module, nn.Dense):
+            module.weight.set_data(initializer(TwoDraws(), module.weight.shape, module.weight.dtype))
+            module.weight[0] = 0.25
+            if module.bias is not None:
+                module.bias.set_data(initializer(Normal(0.3), module.bias.shape, module.bias.dtype))
+        elif isinstance(module, nn.Embedding):
+            module.embedding_table.set_data(initializer(Normal(0.1), module.embedding_table.shape,
+                                                        module.embedding_table.dtype))
+
+
+@pytest.fixture(scope="module")
+def lacking_checkpoint(tmp_path_factory):
+    """A tiny Qwen2 checkpoint without some weights of several kinds."""
+    from ms_loadpatch.testing import cpu_kernel_fallbacks
+
+    root = str(tmp_path_factory.mktemp("draws"))
+    with cpu_kernel_fallbacks():
+        ms.set_seed(0)
+        mt.Qwen2ForCausalLM(hf.Qwen2Config(vocab_size=128, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                           num_key_value_heads=2, intermediate_size=64)).save_pretrained(root)
+    path = os.path.join(root, "model.safetensors")
+    tensors = load_file(path)
+    for key in ("model.layers.0.self_attn.q_proj.weight", "model.layers.0.self_attn.q_proj.bias",
+                "model.layers.1.mlp.down_proj.weight", "model.embed_tokens.embedding_table"):
+        del tensors[key]
+    save_file(tensors, path, metadata={"format": "np"})
+    return root
+
+
+@pytest.mark.parametrize("dtype", [None, ms.bfloat16], ids=["as-stored", "bf16"])
+def test_own_init_weights_identical_to_unpatched(lacking_checkpoint, dtype):
+    kwargs = {} if dtype is None else {"mindspore_dtype": dtype}
+    ms.set_seed(11)
+    ref, acc = load_both(lambda: _OwnInitQwen2.from_pretrained(lacking_checkpoint, **kwargs))  # also the draws
+    assert_same_model(ref, acc)
+    report = last_report()
+    assert report.model_class == "_OwnInitQwen2" and report.missing_initialised == 4
+    assert report.initializers_run_in_full > 0 and report.filled_in_init_pass > 0 and report.draws_taken > 0
+    assert building.leftovers() == []
+
+
+class _FailingInitQwen2(mt.Qwen2ForCausalLM):
+    def _init_weights(self, module):
+        if isinstance(module, nn.Dense):
+            module.weight.set_data(initializer(Normal(0.1), module.weight.shape, module.weight.dtype))
+            raise ValueError("init failed")
+
+
+def test_init_pass_failure_raises_as_unpatched_and_leaves_nothing(lacking_checkpoint):
+    with pytest.raises(ValueError, match="init failed"):
+        _FailingInitQwen2.from_pretrained(lacking_checkpoint)
+    assert building.leftovers() == []
+    import ms_loadpatch
+
+    with ms_loadpatch.disabled(), pytest.raises(ValueError, match="init failed"):
+        _FailingInitQwen2.from_pretrained(lacking_checkpoint)
