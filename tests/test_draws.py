@@ -24,6 +24,7 @@ from ms_loadpatch.testing import assert_same_model, load_both
 pytestmark = pytest.mark.usefixtures("cpu_kernels", "plugin_enabled")
 
 
+@pytest.mark.matrix  # mindspore's initializers and Parameter internals, per version
 def test_probe_passes_and_confirms_the_tables():
     assert draws.probe() is None
     no_draw, one_draw, _ = draws.verified_classes()
@@ -44,6 +45,7 @@ def _build(ledger=None):
             for i, init in enumerate((Normal(0.5), TwoDraws(), "zeros"))]
 
 
+@pytest.mark.matrix  # mindspore's initializers and Parameter internals, per version
 def test_lazy_build_draws_and_fills_as_a_plain_build():
     np.random.seed(5)
     plain = [p.asnumpy().tobytes() for p in _build()]
@@ -116,6 +118,7 @@ def test_cells_in_apply_order_is_cell_apply_order():
     assert got == expected
 
 
+@pytest.mark.matrix  # mindspore's initializers and Parameter internals, per version
 def test_filling_on_touch_fills_lazy_parameters_with_their_own_draws_and_restores_parameter():
     before = dict(vars(ms.Parameter))
     np.random.seed(2)
@@ -167,6 +170,7 @@ def lacking_checkpoint(tmp_path_factory):
     return root
 
 
+@pytest.mark.matrix  # mindspore's initializers and Parameter internals, per version
 @pytest.mark.parametrize("dtype", [None, ms.bfloat16], ids=["as-stored", "bf16"])
 def test_own_init_weights_identical_to_unpatched(lacking_checkpoint, dtype):
     kwargs = {} if dtype is None else {"mindspore_dtype": dtype}
