@@ -19,7 +19,7 @@ import wrapt
 
 from . import common
 from .calls import argument, inside_load
-from ..strategy import cellpasses, context
+from ..strategy import building, cellpasses, context
 from ..strategy.assign import assign, cast_parameters, cell_to_keeping_lazy, check_and_pair
 from ..strategy.building import draws, init_pass, window
 from ..strategy.construct import initialize_unloaded, lazy_construction, refresh_parameter_names, state_index
@@ -177,7 +177,7 @@ def init_weights(wrapped, instance, args, kwargs):
         return None
     if _modeling_utils()._init_weights:
         with ctx.report.phase("init-pass"), init_pass.filling_on_touch() as filled:
-            init_pass.run(instance, _initialize_weights(instance))
+            _init_pass(instance, ctx.ledger, filled)
         ctx.report.filled_in_init_pass += filled.count
     refresh_parameter_names(instance)
     if instance is ctx.construction_root:
@@ -185,23 +185,19 @@ def init_weights(wrapped, instance, args, kwargs):
     return None
 
 
-def _initialize_weights(owner):
-    """owner._initialize_weights as a function of the cell: mindone's
-    (`_init_weights` unless the cell is flagged, then the flag), its
-    `hasattr` answered by cellpasses; a model's own override as it is."""
-    base = _modeling_utils().PreTrainedModel
-    if type(owner)._initialize_weights is not base._initialize_weights:
-        return owner._initialize_weights
-    has_attribute, set_plain = cellpasses.lookups()
-    init = owner._init_weights
-
-    def initialize(cell):
-        if has_attribute(cell, "_is_hf_initialized") and getattr(cell, "_is_hf_initialized", False):
-            return
-        init(cell)
-        set_plain(cell, "_is_hf_initialized", True)
-
-    return initialize
+def _init_pass(owner, ledger, filled):
+    """owner.apply(owner._initialize_weights) over its lazily built cells:
+    mindone's `_initialize_weights` (`_init_weights` unless the cell is
+    flagged, then the flag, its `hasattr` answered by cellpasses; calls on
+    cells sibling-clone copied replayed once alike), or a model's own
+    override as it is."""
+    if type(owner)._initialize_weights is not _modeling_utils().PreTrainedModel._initialize_weights:
+        init_pass.run(owner, owner._initialize_weights)
+        return
+    flag_of, set_plain = cellpasses.flag_lookups()
+    init_pass.run(owner, owner._init_weights, is_done=lambda cell: flag_of(cell, "_is_hf_initialized"),
+                  mark_done=lambda cell: set_plain(cell, "_is_hf_initialized", True), ledger=ledger,
+                  copied_from=building.copied_from, filled=filled)
 
 
 # mindone 0.5's PreTrainedModel.tie_weights, which tie_weights below repeats: the names its code uses

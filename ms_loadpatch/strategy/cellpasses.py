@@ -127,6 +127,20 @@ def lookups():
     return (has_attribute, set_plain) if active() else (hasattr, setattr)
 
 
+def flag_value(cell, name: str):
+    """getattr(cell, name, False), a plain cell's own flag read from its
+    instance `__dict__` (where set_plain puts it), without nn.Cell.__getattr__'s raised miss."""
+    key = (type(cell), LOOKUP_METHODS, (name,))
+    if (_plain[key] if key in _plain else _is_plain(*key)) and name in cell.__dict__:
+        return cell.__dict__[name]
+    return has_attribute(cell, name) and getattr(cell, name, False)
+
+
+def flag_lookups():
+    """(flag_value, set_plain) for one pass: this module's when active, else getattr and setattr."""
+    return (flag_value, set_plain) if active() else (lambda cell, name: getattr(cell, name, False), setattr)
+
+
 def set_train(root, mode: bool) -> None:
     """root.set_train(mode) as nn.Cell's: `_phase` on the root, then add_flags(training=mode)
     on every cell in add_flags_recursive's order (depth first, each cell's

@@ -30,7 +30,8 @@ from .sibling_clone import SiblingClone
 
 
 _FLAT_NAME_WALK = FlatNameWalk()
-TECHNIQUES = (CellInitTemplate(), SignatureCache(), PrimitiveDefaults(), _FLAT_NAME_WALK, SiblingClone(), GcPause(),
+_SIBLING_CLONE = SiblingClone()
+TECHNIQUES = (CellInitTemplate(), SignatureCache(), PrimitiveDefaults(), _FLAT_NAME_WALK, _SIBLING_CLONE, GcPause(),
               HostFactories())
 
 _probe_results: dict[str, str | None] = {}
@@ -47,6 +48,12 @@ def named_parameters(root, cells: list | None = None) -> list | None:
     when it is installed for the calling thread's window, else None; `cells`
     (a list) then gets root.cells_and_names()'s cells from the same walk."""
     return _FLAT_NAME_WALK.named_parameters(root, cells)
+
+
+def copied_from(cell):
+    """The sibling-clone recipe `cell` was copied from in the calling
+    thread's open window, or None (built by its __init__, or no window)."""
+    return _SIBLING_CLONE.copied_from(cell) if window.in_builder() else None
 
 
 def probe_result(technique) -> str | None:

@@ -37,7 +37,6 @@ ONE_DRAW = ("Normal", "Uniform", "TruncatedNormal", "HeUniform", "HeNormal", "Xa
 
 _local = threading.local()  # .ledger: accounting here; .replay: a seed to give back; .captured
 _install_lock = threading.Lock()
-_installs = 0
 _originals: dict = {}
 
 
@@ -45,32 +44,33 @@ class _SeedTaken(Exception):
     """Raised by the patched _numpy_seed once it has taken the draw: the initializer stops before filling."""
 
 
-class _Installed:
-    """The patches, held while any thread has a ledger active or is giving a seed back."""
+class _Patches:
+    """Process-wide patches held while any thread needs them (counted under one lock)."""
+
+    def __init__(self, install, uninstall):
+        self.install, self.uninstall, self.users = install, uninstall, 0
 
     def __enter__(self):
-        global _installs
         with _install_lock:
-            if _installs == 0:
-                _install()
-            _installs += 1
+            if self.users == 0:
+                self.install()
+            self.users += 1
         return self
 
     def __exit__(self, *exc):
-        global _installs
         with _install_lock:
-            _installs -= 1
-            if _installs == 0:
-                _uninstall()
+            self.users -= 1
+            if self.users == 0:
+                self.uninstall()
 
 
-def _install():
-    from mindspore import Parameter, Tensor
+def _install_filling():
+    """`initializer._numpy_seed` and `Tensor.init_data`: a tensor a ledger holds fills with its own draw."""
+    from mindspore import Tensor
     from mindspore.common import initializer as module
 
     numpy_seed, init_data = module._numpy_seed, vars(Tensor)["init_data"]
-    _originals.update(numpy_seed=numpy_seed, init_data=init_data, module=module, Parameter=Parameter,
-                      Tensor=Tensor)
+    _originals.update(numpy_seed=numpy_seed, init_data=init_data, module=module, Tensor=Tensor)
 
     def _numpy_seed():
         replay = getattr(_local, "replay", None)
@@ -103,22 +103,37 @@ def _install():
     patched_init_data.__wrapped__ = init_data
     module._numpy_seed = _numpy_seed
     Tensor.init_data = patched_init_data
+
+
+def _uninstall_filling():
+    _originals["module"]._numpy_seed = _originals["numpy_seed"]
+    _originals["Tensor"].init_data = _originals["init_data"]
+    for key in ("module", "numpy_seed", "Tensor", "init_data"):
+        del _originals[key]
+
+
+def _install_accounting():
+    """`Parameter.init_mode` as a descriptor: where a lazy parameter's draw is taken."""
+    from mindspore import Parameter
+
+    _originals["Parameter"] = Parameter
     Parameter.init_mode = _InitMode()
 
 
-def _uninstall():
-    module, Parameter, Tensor = _originals["module"], _originals["Parameter"], _originals["Tensor"]
-    module._numpy_seed = _originals["numpy_seed"]
-    Tensor.init_data = _originals["init_data"]
+def _uninstall_accounting():
+    Parameter = _originals.pop("Parameter")
     if isinstance(vars(Parameter).get("init_mode"), _InitMode):
         del Parameter.init_mode
-    _originals.clear()
+
+
+_FILLING = _Patches(_install_filling, _uninstall_filling)
+_ACCOUNTING = _Patches(_install_accounting, _uninstall_accounting)
 
 
 def leftovers() -> list[str]:
     """What an ended ledger would have left patched (for tests)."""
-    if _installs or _originals:
-        return [f"random-draw accounting still installed ({_installs} user(s))"]
+    if _FILLING.users or _ACCOUNTING.users or _originals:
+        return [f"random-draw accounting still installed ({_FILLING.users} + {_ACCOUNTING.users} user(s))"]
     return []
 
 
@@ -141,6 +156,8 @@ class _InitMode:
         ledger = getattr(_local, "ledger", None)
         if ledger is not None and value is not None:
             ledger.take(value)
+            if ledger.assignments is not None:
+                ledger.assignments.append((param, value))
 
     def __delete__(self, param):
         del param.__dict__["init_mode"]
@@ -166,6 +183,10 @@ class Ledger:
         self.run_in_full = 0  # initializers run in full on a scratch array
         # (classes that never draw, classes that draw once), verified on this mindspore
         self.classes = classes if classes is not None else verified_classes()[:2]
+        # (class, shape, attributes) whose initializer reached its draw: the same again draws at once
+        self.reached_draw: set = set()
+        # while a list: (parameter, initializer tensor) of every init_mode set in the accounting thread
+        self.assignments: list | None = None
 
     def take(self, tensor) -> None:
         """The draws the plain build makes when it fills `tensor` (a lazy
@@ -177,6 +198,17 @@ class Ledger:
         kind = type(init)
         if kind in no_draw:
             return
+        key = None
+        if kind in one_draw:
+            # what an initializer checks before its draw (sigma, fans, gain) depends on these alone
+            try:
+                key = (kind, tensor.shape, tuple(v for k, v in vars(init).items() if k != "_kwargs"))
+                if key in self.reached_draw:
+                    self.seeds[id(tensor)] = (tensor, _originals["numpy_seed"]())
+                    self.draws += 1
+                    return
+            except TypeError:  # an attribute that cannot be hashed
+                key = None
         from mindspore.common import dtype as mstype
 
         # what Tensor.init_data fills (int8 holds qint4x2)
@@ -189,6 +221,8 @@ class Ledger:
             except _SeedTaken:
                 self.seeds[id(tensor)] = (tensor, _local.captured)
                 self.draws += 1
+                if key is not None:
+                    self.reached_draw.add(key)
                 return
             finally:
                 _local.capturing = False
@@ -200,6 +234,24 @@ class Ledger:
     def forget(self) -> None:
         self.seeds.clear()
 
+    def drew(self, tensor) -> bool:
+        """Whether `tensor`'s draw was taken as a seed (not run in full, not drawless)."""
+        entry = self.seeds.get(id(tensor))
+        return entry is not None and not isinstance(entry[1], np.ndarray)
+
+    def reinitialize(self, tensor, init, draws: bool) -> None:
+        """What `param.set_data(initializer(init, shape, dtype))` does to a
+        lazy parameter whose initializer tensor is `tensor` (same shape and
+        dtype), without making a new tensor: `init` becomes its initializer,
+        and its draw (`draws`: init's class draws once, as recorded from a
+        real call) is taken now."""
+        tensor.init = init
+        if draws:
+            self.seeds[id(tensor)] = (tensor, _originals["numpy_seed"]())
+            self.draws += 1
+        else:
+            self.seeds.pop(id(tensor), None)
+
 
 @contextlib.contextmanager
 def accounting(ledger: Ledger):
@@ -207,7 +259,7 @@ def accounting(ledger: Ledger):
     a lazy tensor it holds gives its seed back when filled, here or later
     while `giving_back(ledger)` is held."""
     outer = getattr(_local, "ledger", None)
-    with _Installed():
+    with _FILLING, _ACCOUNTING:
         _local.ledger = ledger
         try:
             yield ledger
@@ -231,7 +283,7 @@ def giving_back(ledger: Ledger):
     """Tensors `ledger` accounted for are filled with their own seeds (no new
     accounting: the ledger only gives back)."""
     outer = getattr(_local, "ledger", None)
-    with _Installed():
+    with _FILLING:
         _local.ledger = _GiveBackOnly(ledger)
         try:
             yield
@@ -242,6 +294,7 @@ def giving_back(ledger: Ledger):
 class _GiveBackOnly:
     def __init__(self, ledger):
         self.seeds = ledger.seeds
+        self.assignments = None
 
     def take(self, tensor) -> None:
         pass
@@ -307,27 +360,33 @@ def _initializer(module, name):
 
 
 def _compare_one(ms, module, name, shape, classes) -> str | None:
-    """None when a parameter of initializer `name` built lazily with a ledger
-    knowing `classes`, then filled, matches a plain build: numpy's state
-    after the build and the values."""
+    """None when two parameters of initializer `name` built lazily with a
+    ledger knowing `classes` (the second drawing at once, as a ledger does for
+    what it saw reach its draw), then filled, match a plain build: numpy's
+    state after the build and the values."""
     from .lazy import lazy_parameters
+
+    def build():
+        return [ms.Parameter(module.initializer(_initializer(module, name), shape, ms.float32), name=f"p{i}")
+                for i in range(2)]
 
     state = np.random.get_state()
     try:
         np.random.seed(1234)
-        plain = ms.Parameter(module.initializer(_initializer(module, name), shape, ms.float32), name="plain")
-        plain_values, plain_after = plain.asnumpy().tobytes(), np.random.get_state()[1].copy()
+        plain = build()
+        plain_values, plain_after = [p.asnumpy().tobytes() for p in plain], np.random.get_state()[1].copy()
         np.random.seed(1234)
         ledger = Ledger(classes)
         with lazy_parameters(), accounting(ledger):
-            lazy = ms.Parameter(module.initializer(_initializer(module, name), shape, ms.float32), name="lazy")
+            lazy = build()
         lazy_after = np.random.get_state()[1].copy()
         np.random.random()  # draws in between do not change what a fill gives back
         with giving_back(ledger):
-            lazy.init_data()
+            for param in reversed(lazy):
+                param.init_data()
         if not np.array_equal(plain_after, lazy_after):
             return "numpy's global state after the lazy build differs"
-        if lazy.has_init or lazy.asnumpy().tobytes() != plain_values:
+        if any(p.has_init for p in lazy) or [p.asnumpy().tobytes() for p in lazy] != plain_values:
             return "the filled values differ"
         if ledger.seeds:
             return "a seed was not given back"

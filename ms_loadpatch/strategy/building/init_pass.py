@@ -10,12 +10,21 @@ pass (`param.data`, indexing into it, an in-place method such as `normal_`
 or `fill_`) first fills it from its initializer with its own seed, as the
 plain build holds it, then runs as written: exact, slower only there
 (counted: `filling_on_touch`).
+
+Cells sibling-clone copied from one recipe are alike: once real calls on
+three of them did the same and only that (each of the cell's own lazy
+parameters given a new initializer of the same shape and dtype, the draws
+taken in order and nothing else drawn, no data touched, the cell's
+attributes unchanged), the call on the others is replayed (`_Replays`): the
+same initializers and draws, without the call.
 """
 
 from __future__ import annotations
 
 import contextlib
 import threading
+
+import numpy as np
 
 _APPLY_METHODS = ("apply", "cells", "name_cells")
 
@@ -52,13 +61,129 @@ def cells_in_apply_order(root):
             stack += [(child, False) for child in reversed(unique)]
 
 
-def run(root, initialize) -> None:
-    """`root.apply(initialize)`'s calls, without its per-cell recursion."""
+def run(root, initialize, is_done=None, mark_done=None, ledger=None, copied_from=None, filled=None) -> None:
+    """`root.apply(f)`'s calls, without its per-cell recursion, where `f` is
+    mindone's `_initialize_weights`: `initialize(cell)` then `mark_done(cell)`
+    unless `is_done(cell)` (without them: `initialize(cell)` alone). With a
+    `ledger`, `copied_from(cell)` (the sibling-clone recipe of a copied cell)
+    and the pass's `filled` count, calls on cells copied from one recipe are
+    replayed once three real ones agreed."""
+    replays = _Replays(ledger, filled) if ledger is not None and copied_from is not None else None
+
+    def one(cell):
+        if is_done is not None and is_done(cell):
+            return
+        source = copied_from(cell) if replays is not None else None
+        if source is None:
+            initialize(cell)
+        else:
+            replays.call(cell, source, initialize)
+        if mark_done is not None:
+            mark_done(cell)
+
     for cell, own in cells_in_apply_order(root):
         if own:
-            cell.apply(initialize)
+            cell.apply(one)
         else:
+            one(cell)
+
+
+_FLAG = "_is_hf_initialized"
+
+
+class _Replays:
+    """Per sibling-clone recipe: the effect real calls agreed on, replayed on the later copies."""
+
+    AGREEING_CALLS = 3  # real calls with one effect before it is replayed
+
+    def __init__(self, ledger, filled):
+        self.ledger, self.filled = ledger, filled
+        self.entries: dict[int, list] = {}  # id(recipe) -> [effect, real calls agreeing (-1: never), recipe]
+
+    def call(self, cell, source, initialize) -> None:
+        entry = self.entries.get(id(source))
+        if entry is None:
+            entry = self.entries[id(source)] = [None, 0, source]
+        if entry[1] >= self.AGREEING_CALLS and self._replay(cell, entry[0]):
+            return
+        if entry[1] < 0 or entry[1] >= self.AGREEING_CALLS:
             initialize(cell)
+            return
+        effect = self._recorded(cell, initialize)
+        if effect is None or (entry[0] is not None and effect != entry[0]):
+            entry[1] = -1
+        else:
+            entry[0], entry[1] = effect, entry[1] + 1
+
+    def _recorded(self, cell, initialize):
+        """Calls initialize(cell); returns its effect, or None when it did
+        anything a replay would not do."""
+        ledger = self.ledger
+        params = {attr: p for attr, p in (cell.__dict__.get("_params") or {}).items() if p is not None}
+        if not all(p.has_init for p in params.values()):
+            initialize(cell)
+            return None
+        own = {id(p): attr for attr, p in params.items()}
+        before = {attr: p.init_mode for attr, p in params.items()}
+        attributes = [(k, id(v)) for k, v in vars(cell).items() if k != _FLAG]
+        random_state = np.random.get_state()
+        counts = (self.filled.count, ledger.run_in_full)
+        ledger.assignments = []
+        try:
+            initialize(cell)
+        finally:
+            assignments, ledger.assignments = ledger.assignments, None
+        if counts != (self.filled.count, ledger.run_in_full) or not all(p.has_init for p in params.values()) \
+                or attributes != [(k, id(v)) for k, v in vars(cell).items() if k != _FLAG]:
+            return None
+        effect, replayed = [], np.random.RandomState()
+        replayed.set_state(random_state)
+        for param, tensor in assignments:
+            attr, old, init = own.get(id(param)), before.get(own.get(id(param))), tensor.init
+            if attr is None or old is None or init is None or (tensor.shape, tensor.dtype) != (old.shape, old.dtype):
+                return None
+            drew = ledger.drew(tensor)
+            if drew:  # the draw must be the one the ledger took, in this order
+                if replayed.randint(low=1, high=(1 << 63), dtype=np.int64) != ledger.seeds[id(tensor)][1]:
+                    return None
+            elif type(init) not in ledger.classes[0]:
+                return None
+            state = [(k, dict(v) if type(v) is dict else v) for k, v in vars(init).items()]
+            if not all(_plain_value(v) for _, v in state):
+                return None
+            effect.append((attr, type(init), state, tensor.shape, tensor.dtype, drew))
+        if len({item[0] for item in effect}) != len(effect) or not _same_state(replayed, np.random.get_state()):
+            return None
+        return effect
+
+    def _replay(self, cell, effect) -> bool:
+        params = cell.__dict__.get("_params") or {}
+        targets = []
+        for attr, kind, state, shape, dtype, drew in effect:
+            param = params.get(attr)
+            tensor = param.init_mode if param is not None and param.has_init else None
+            if tensor is None or tensor.init is None or tensor.shape != shape or tensor.dtype != dtype:
+                return False
+            targets.append((tensor, kind, state, drew))
+        for tensor, kind, state, drew in targets:
+            init = object.__new__(kind)
+            init.__dict__.update({k: dict(v) if type(v) is dict else v for k, v in state})
+            self.ledger.reinitialize(tensor, init, drew)
+        return True
+
+
+_SCALARS = (type(None), bool, int, float, str, np.floating, np.integer)
+
+
+def _plain_value(value) -> bool:
+    if type(value) is dict:
+        return all(isinstance(v, _SCALARS) for v in value.values())
+    return isinstance(value, _SCALARS) or type(value) is tuple and all(isinstance(v, _SCALARS) for v in value)
+
+
+def _same_state(generator, state) -> bool:
+    mine = generator.get_state()
+    return mine[0] == state[0] and np.array_equal(mine[1], state[1]) and mine[2:] == state[2:]
 
 
 class Filled:

@@ -50,6 +50,7 @@ class SiblingClone(Technique):
         self.hooks = InitHooks()
         self.entries: dict = {}
         self.cloned = 0
+        self.sources: dict[int, tuple] = {}  # id(copied cell) -> (the recipe it was filled from, the cell)
         self.builds: dict[type, list[int]] = {}  # class -> [builds, copies] in this window
         self.reasons: dict[type, str] = {}  # class -> the first reason one of its calls got no recipe
         self.count = window.DeferredInstanceCount()
@@ -78,7 +79,14 @@ class SiblingClone(Technique):
         self.reasons.clear()
         return self.hooks.install(self.cell_class, self._hook)
 
+    def copied_from(self, cell):
+        """The recipe `cell` was copied from in the open window (the same
+        object for every copy of one cell of it), or None."""
+        source = self.sources.get(id(cell))
+        return source[0] if source is not None and source[1] is cell else None
+
     def uninstall(self):
+        self.sources.clear()
         self.hooks.restore()
         if window.state.recording:
             window.state.notes[self.name] = self._build_notes()
@@ -89,7 +97,7 @@ class SiblingClone(Technique):
 
     def leftovers(self):
         found = self.hooks.leftovers()
-        if self.entries or self.builds:
+        if self.entries or self.builds or self.sources:
             found.append("sibling-clone recipes kept")
         if self.count.pending:
             found.append(f"{self.name}: {self.count.pending} cells not counted")
@@ -244,6 +252,7 @@ class SiblingClone(Technique):
     def _fill_cell(self, cell, recipe, made):
         _, slot, shared, fresh, built = recipe
         made[slot] = cell
+        self.sources[id(cell)] = (recipe, cell)
         state = cell.__dict__
         state.update(shared)  # every key in order; per-instance ones are overwritten in place below
         for key, factory in fresh:
