@@ -39,9 +39,9 @@ def _probe_cell_to(ms) -> str | None:
     try:
         import numpy as np
         from mindspore.common.initializer import initializer
-        from mindspore.nn.utils import no_init_parameters
 
         from .strategy.assign import cell_to_keeping_lazy
+        from .strategy.building.lazy import unshared_lazy_parameter
 
         def build(lazy):
             shared = ms.Parameter(ms.Tensor(np.linspace(-1, 1, 4).astype(np.float32)), name="shared")
@@ -56,8 +56,7 @@ def _probe_cell_to(ms) -> str | None:
                 cells.append(cell)
             root = ms.nn.SequentialCell(cells)
             if lazy:
-                with no_init_parameters():
-                    root.lazy = ms.Parameter(initializer("normal", (3, 2), ms.float32), name="lazy")
+                root.lazy = unshared_lazy_parameter(initializer("normal", (3, 2), ms.float32), "lazy")
             return root
 
         def state(root):
@@ -101,22 +100,20 @@ def _probe_cell_to_skip(ms, cell_to_keeping_lazy) -> str | None:
     every cell's and parameter's whole state (building.state.model_state)."""
     import numpy as np
     from mindspore.common.initializer import initializer
-    from mindspore.nn.utils import no_init_parameters
 
+    from .strategy.building.lazy import unshared_lazy_parameter
     from .strategy.building.state import model_state
 
     def build():
-        with no_init_parameters():
-            done = ms.nn.Cell()
-            done.weight = ms.Parameter(initializer("normal", (3, 2), ms.bfloat16), name="weight")
-            done.index = ms.Parameter(initializer("zeros", (2,), ms.int32), name="index", requires_grad=False)
-            wide = ms.nn.Cell()
-            wide.weight = ms.Parameter(initializer("normal", (2, 2), ms.float32), name="weight")
-            buffered = ms.nn.Cell()
-            buffered.bias = ms.Parameter(initializer("zeros", (2,), ms.bfloat16), name="bias")
-            buffered.register_buffer("scale", ms.Tensor(np.full(2, 1 / 3, dtype=np.float32)))
-            root = ms.nn.SequentialCell([done, wide, buffered, ms.nn.SequentialCell([done])])
-        return root
+        done = ms.nn.Cell()
+        done.weight = unshared_lazy_parameter(initializer("normal", (3, 2), ms.bfloat16), "weight")
+        done.index = unshared_lazy_parameter(initializer("zeros", (2,), ms.int32), "index", requires_grad=False)
+        wide = ms.nn.Cell()
+        wide.weight = unshared_lazy_parameter(initializer("normal", (2, 2), ms.float32), "weight")
+        buffered = ms.nn.Cell()
+        buffered.bias = unshared_lazy_parameter(initializer("zeros", (2,), ms.bfloat16), "bias")
+        buffered.register_buffer("scale", ms.Tensor(np.full(2, 1 / 3, dtype=np.float32)))
+        return ms.nn.SequentialCell([done, wide, buffered, ms.nn.SequentialCell([done])])
 
     full, skipping = build(), build()
     cell_to_keeping_lazy(full, ms.bfloat16, skip_untouched=False)
@@ -135,15 +132,14 @@ def _probe_fill(ms) -> str | None:
 
         import numpy as np
         from mindspore.common.initializer import initializer
-        from mindspore.nn.utils import no_init_parameters
 
         from .strategy.assign import fill
+        from .strategy.building.lazy import unshared_lazy_parameter
 
         value = np.arange(6, dtype=np.float32).reshape(2, 3)
 
         def lazy():
-            with no_init_parameters():
-                return ms.Parameter(initializer("normal", (2, 3), ms.float32), name="probe")
+            return unshared_lazy_parameter(initializer("normal", (2, 3), ms.float32), "probe")
 
         real = lazy().init_data()
         real.set_data(ms.Tensor(value))

@@ -45,14 +45,41 @@ class _Patcher:
         self._loads: dict[int, int] = {}
         self._idle = threading.Condition(self._lock)
         self._disabling = False
+        self._enabling = 0  # enable() calls preparing modules outside the lock
 
     # -- public operations
 
     def enable(self) -> bool:
+        # Probing and importing happen before the lock: it is taken inside
+        # builds and import hooks, and must not wait for either (docs/architecture.md#locks).
+        gate = versions.check()
+        if self._enabled or not gate.ok:
+            return self._enable(gate, {})
+        self._enabling += 1
+        try:
+            modules = list(dict.fromkeys(t.module for t in self._targets))
+            for module_name in modules:  # a module imported from now on is prepared by its hook
+                if module_name not in self._hooked_modules:
+                    self._hooked_modules.add(module_name)
+                    wrapt.register_post_import_hook(self._on_import, module_name)
+            prepared = {}
+            while True:
+                for module_name in modules:
+                    module = sys.modules.get(module_name)
+                    if module is not None and module_name not in prepared:
+                        prepared[module_name] = self._prepare_module(module)
+                with self._lock:
+                    if not self._enabled and any(m in sys.modules and m not in prepared for m in modules):
+                        continue  # imported meanwhile: prepared outside the lock, then again
+                    return self._enable(gate, prepared)
+        finally:
+            self._enabling -= 1
+
+    def _enable(self, gate, prepared: dict) -> bool:
         with self._lock:
             if self._enabled:
                 return True
-            self._gate = versions.check()
+            self._gate = gate
             if not self._gate.ok:
                 for target in self._targets:
                     self._states[target.key] = (SKIPPED, f"refused: {self._gate.refusal}")
@@ -64,13 +91,10 @@ class _Patcher:
             for module_name in dict.fromkeys(t.module for t in self._targets):
                 module = sys.modules.get(module_name)
                 if module is not None:
-                    self._apply_module(module)
+                    self._apply_module(module, prepared[module_name])
                 else:
                     for target in self._targets_of(module_name):
                         self._states[target.key] = (PENDING, "applied when the module is imported")
-                    if module_name not in self._hooked_modules:
-                        self._hooked_modules.add(module_name)
-                        wrapt.register_post_import_hook(self._on_import, module_name)
             # after wrapt's finder is in place, so ours is first: mindone.transformers and
             # .models, when imported from now on, are lazy packages
             lazy_import.install()
@@ -124,28 +148,29 @@ class _Patcher:
         return any(obj is handle for handle in self._handles.values())
 
     def status(self) -> dict:
-        with self._lock:
-            gate = self._gate or versions.check()
+        with self._lock:  # a snapshot; the probes run after it is released
+            gate, enabled = self._gate, self._enabled
             targets = [
                 {"target": t.key, "library": t.library, "public": t.public, "state": s[0], "reason": s[1]}
                 for t in self._targets
                 for s in [self._states.get(t.key, (SKIPPED, "not enabled"))]
             ]
-            return {
-                "enabled": self._enabled,
-                "versions": dict(gate.versions),
-                "supported": {name: str(spec) for name, spec in versions.SUPPORTED.items()},
-                "tested": {name: list(tested) for name, tested in versions.TESTED.items()},
-                "python": versions.python_status(),
-                "refusal": gate.refusal,
-                "untested": list(gate.untested),
-                "libraries": {library: _library_verdict(library, self._enabled, gate, targets)
-                              for library in versions.LIBRARIES},
-                "techniques": registry.status_rows() if gate.ok else [],
-                "last_build": registry.last_build(),
-                "targets": targets,
-                "lazy_import": lazy_import.status(),
-            }
+        gate = gate or versions.check()
+        return {
+            "enabled": enabled,
+            "versions": dict(gate.versions),
+            "supported": {name: str(spec) for name, spec in versions.SUPPORTED.items()},
+            "tested": {name: list(tested) for name, tested in versions.TESTED.items()},
+            "python": versions.python_status(),
+            "refusal": gate.refusal,
+            "untested": list(gate.untested),
+            "libraries": {library: _library_verdict(library, enabled, gate, targets)
+                          for library in versions.LIBRARIES},
+            "techniques": registry.status_rows() if gate.ok else [],
+            "last_build": registry.last_build(),
+            "targets": targets,
+            "lazy_import": lazy_import.status(),
+        }
 
     # -- machinery
 
@@ -153,15 +178,32 @@ class _Patcher:
         return [t for t in self._targets if t.module == module_name]
 
     def _on_import(self, module) -> None:
+        if not (self._enabled or self._enabling):
+            return
+        prepared = self._prepare_module(module)  # the probes and imports, before the lock
         with self._lock:
             if self._enabled:
-                self._apply_module(module)
+                self._apply_module(module, prepared)
 
-    def _apply_module(self, module) -> None:
+    def _prepare_module(self, module) -> dict:
+        """target key -> (unmet requirement or None, wrapper or the exception
+        resolving it raised) for `module`'s targets: what probes or imports,
+        done without holding the lock."""
+        prepared = {}
+        for target in self._targets_of(module.__name__):
+            reason = versions.unmet_requirement(target.requires, target.library, target.feature)
+            try:
+                wrapper = _resolve_wrapper(target.wrapper) if reason is None else None
+            except Exception as exc:
+                wrapper = exc
+            prepared[target.key] = (reason, wrapper)
+        return prepared
+
+    def _apply_module(self, module, prepared: dict) -> None:
         for target in self._targets_of(module.__name__):
             if target.key in self._handles:
                 continue
-            reason = versions.unmet_requirement(target.requires, target.library, target.feature)
+            reason, wrapper = prepared[target.key]
             if reason is not None and reason.startswith(versions.NOT_NEEDED_PREFIX):
                 self._states[target.key] = (NOT_NEEDED, reason[len(versions.NOT_NEEDED_PREFIX):])
                 continue
@@ -169,14 +211,16 @@ class _Patcher:
                 self._states[target.key] = (SKIPPED, reason)
                 continue
             try:
+                if isinstance(wrapper, Exception):
+                    raise wrapper
                 self._strip_own_wrapper(module, target)
                 if target.kind == "proxy":
-                    handle = wrapt.wrap_object(module, target.path, _resolve_wrapper(target.wrapper))
+                    handle = wrapt.wrap_object(module, target.path, wrapper)
                 else:
                     # enabled: a copy bound elsewhere by name keeps the wrapper after
                     # disable(); wrapt then calls the original straight through
                     handle = wrapt.wrap_object(module, target.path, wrapt.FunctionWrapper,
-                                               (_resolve_wrapper(target.wrapper),), {"enabled": self.is_enabled})
+                                               (wrapper,), {"enabled": self.is_enabled})
                 self._handles[target.key] = handle
             except Exception as exc:  # a missing attribute must not break the user's import
                 self._states[target.key] = (SKIPPED, f"cannot patch: {exc}")

@@ -23,6 +23,7 @@ from .flat_name_walk import FlatNameWalk
 from . import gc_pause
 from .gc_pause import GcPause
 from .host_factories import HostFactories
+from .lazy import CONSTRUCTION_LOCK
 from .primitive_defaults import PrimitiveDefaults
 from .probe import run_probes
 from .signature_cache import SignatureCache
@@ -60,7 +61,8 @@ def probe_result(technique) -> str | None:
     """The probe's verdict for `technique` on this process's mindspore (run once)."""
     if window.state.depth:  # inside a window the probe would compare the fast path with itself
         raise RuntimeError("ms_loadpatch: fast-construction probes cannot run inside a construction window")
-    with _probe_lock:
+    # CONSTRUCTION_LOCK first, always: a build reaching its start cell holds it when it asks
+    with CONSTRUCTION_LOCK, _probe_lock:
         if technique.name not in _probe_results:
             with gc_pause.collection_paused(), randomstate.kept():
                 _probe_groups(technique)

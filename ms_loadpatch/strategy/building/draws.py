@@ -364,10 +364,10 @@ def _compare_one(ms, module, name, shape, classes) -> str | None:
     ledger knowing `classes` (the second drawing at once, as a ledger does for
     what it saw reach its draw), then filled, match a plain build: numpy's
     state after the build and the values."""
-    from .lazy import lazy_parameters
+    from .lazy import unshared_lazy_parameter
 
-    def build():
-        return [ms.Parameter(module.initializer(_initializer(module, name), shape, ms.float32), name=f"p{i}")
+    def build(make=ms.Parameter):
+        return [make(module.initializer(_initializer(module, name), shape, ms.float32), name=f"p{i}")
                 for i in range(2)]
 
     state = np.random.get_state()
@@ -377,8 +377,8 @@ def _compare_one(ms, module, name, shape, classes) -> str | None:
         plain_values, plain_after = [p.asnumpy().tobytes() for p in plain], np.random.get_state()[1].copy()
         np.random.seed(1234)
         ledger = Ledger(classes)
-        with lazy_parameters(), accounting(ledger):
-            lazy = build()
+        with accounting(ledger):  # no lock: probed where an import or another lock may be held
+            lazy = build(unshared_lazy_parameter)
         lazy_after = np.random.get_state()[1].copy()
         np.random.random()  # draws in between do not change what a fill gives back
         with giving_back(ledger):

@@ -60,6 +60,28 @@ def _thread_scoped_works() -> bool:
     return _THREAD_SCOPED
 
 
+def unshared_lazy_parameter(default_input, name: str, **kwargs):
+    """A Parameter left lazy as under no_init_parameters (Parameter.__new__
+    reads `init_param` False from the class it is called with), made through
+    a subclass that says so: nothing every thread reads is changed and no
+    lock is taken, so a probe may make one anywhere (under an import lock,
+    while another thread builds)."""
+    from mindspore import Parameter
+
+    lazy = Parameter.__new__(_lazy_class(Parameter), default_input, name=name, **kwargs)
+    lazy.__init__(default_input, name=name, **kwargs)
+    return lazy
+
+
+_LAZY_CLASSES: dict = {}
+
+
+def _lazy_class(parameter_class):
+    if parameter_class not in _LAZY_CLASSES:
+        _LAZY_CLASSES[parameter_class] = type("UnsharedLazyParameter", (parameter_class,), {"init_param": False})
+    return _LAZY_CLASSES[parameter_class]
+
+
 @contextlib.contextmanager
 def lazy_parameters():
     """Parameters made from initializers in this thread stay lazy. Holds CONSTRUCTION_LOCK."""
