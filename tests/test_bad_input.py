@@ -35,7 +35,7 @@ import ms_loadpatch
 from ms_loadpatch import core
 from ms_loadpatch.strategy import context
 from ms_loadpatch.strategy.construct import CONSTRUCTION_LOCK
-from ms_loadpatch.strategy.reader import CheckpointError
+from ms_loadpatch.strategy.safetensors_header import CheckpointError
 from ms_loadpatch.testing import assert_same_model, cpu_kernel_fallbacks, load_both
 
 QWEN2 = dict(vocab_size=128, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,

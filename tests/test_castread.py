@@ -18,13 +18,14 @@ import pytest
 import mindone.transformers as mt
 import transformers as hf
 import ms_loadpatch
-from ms_loadpatch.strategy import castread, reader
+from ms_loadpatch.strategy import castread, safetensors_header
 from ms_loadpatch.strategy.castread import CastPlan, read_cast
 from ms_loadpatch.strategy.context import last_report
-from ms_loadpatch.strategy.reader import CheckpointError, read_arrays
+from ms_loadpatch.strategy.reader import read_arrays
+from ms_loadpatch.strategy.safetensors_header import CheckpointError
 from ms_loadpatch.testing import assert_same_model, load_both, write_random_checkpoint
 
-BF16 = reader.numpy_dtypes()["BF16"]
+BF16 = safetensors_header.numpy_dtypes()["BF16"]
 
 
 _CODES = {"float32": "F32", "float16": "F16", "bfloat16": "BF16", "int32": "I32"}
