@@ -19,7 +19,7 @@ import types
 
 import pytest
 
-from conftest import TESTS_DIR, report_of, run_python
+from _helpers import TESTS_DIR, report_of, run_python
 from ms_loadpatch import eager_import_scan, lazy_import, versions
 
 # Imported at collection, with conftest's plugin on, as a script importing
