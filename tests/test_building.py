@@ -30,6 +30,7 @@ import pytest
 import transformers as hf
 from mindspore import nn
 
+from _helpers import tiny_qwen2_config, tiny_unet, tiny_vae
 import mindone.diffusers as md
 import mindone.transformers as mt
 import ms_loadpatch
@@ -44,9 +45,7 @@ pytestmark = pytest.mark.usefixtures("cpu_kernels", "plugin_enabled")
 NAMES = [t.name for t in building.TECHNIQUES]
 
 TF_ARCHS = {
-    "qwen2": (mt.Qwen2ForCausalLM, lambda: hf.Qwen2Config(
-        vocab_size=128, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-        intermediate_size=64, tie_word_embeddings=True)),
+    "qwen2": (mt.Qwen2ForCausalLM, lambda: tiny_qwen2_config(tie_word_embeddings=True)),
     "mixtral": (mt.MixtralForCausalLM, lambda: hf.MixtralConfig(
         vocab_size=128, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
         intermediate_size=16, num_local_experts=8, num_experts_per_tok=2)),
@@ -77,13 +76,8 @@ TF_ARCHS = {
         max_position_embeddings=64)),
 }
 DF_ARCHS = {
-    "unet": (md.UNet2DConditionModel, dict(
-        block_out_channels=(4, 8), layers_per_block=1, sample_size=8, in_channels=4, out_channels=4,
-        down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"), up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"),
-        cross_attention_dim=8, norm_num_groups=4, attention_head_dim=2)),
-    "vae": (md.AutoencoderKL, dict(
-        block_out_channels=[4, 8], in_channels=3, out_channels=3, down_block_types=["DownEncoderBlock2D"] * 2,
-        up_block_types=["UpDecoderBlock2D"] * 2, latent_channels=4, norm_num_groups=4, sample_size=16)),
+    "unet": (md.UNet2DConditionModel, tiny_unet()),
+    "vae": (md.AutoencoderKL, tiny_vae()),
     "flux": (md.FluxTransformer2DModel, dict(
         patch_size=1, in_channels=4, num_layers=1, num_single_layers=1, attention_head_dim=16, num_attention_heads=2,
         joint_attention_dim=32, pooled_projection_dim=32, axes_dims_rope=[4, 4, 8])),
