@@ -8,7 +8,7 @@ import pytest
 
 # Test models have tens of cells: fast construction engages from their first
 # cell (in this process and the ones tests start), so every suite exercises it;
-# test_building checks the default start on its own.
+# test_building_window checks the default start on its own.
 os.environ.setdefault("MS_LOADPATCH_FAST_CONSTRUCTION_FROM", "0")
 
 # Enabled before any test module imports mindone, as a user's `import
