@@ -188,7 +188,7 @@ def write_random_checkpoint(cls, config, directory, dtype="float32", max_shard_b
     from mindspore.nn.utils import no_init_parameters
     from safetensors.numpy import save_file
 
-    from .strategy.reader import numpy_dtypes
+    from .strategy.safetensors_header import numpy_dtypes
 
     np_dtype = numpy_dtypes()[{"float32": "F32", "float16": "F16", "bfloat16": "BF16"}[dtype]]
     with cpu_kernel_fallbacks(), no_init_parameters():

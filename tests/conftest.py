@@ -1,15 +1,14 @@
-import json
+"""Fixtures, and the environment every test process starts from (set here,
+at import, before any test module imports mindone). Helpers that test
+modules import by name are in _helpers.py."""
+
 import os
-import subprocess
-import sys
 
 import pytest
 
-TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
-
 # Test models have tens of cells: fast construction engages from their first
 # cell (in this process and the ones tests start), so every suite exercises it;
-# test_building checks the default start on its own.
+# test_building_window checks the default start on its own.
 os.environ.setdefault("MS_LOADPATCH_FAST_CONSTRUCTION_FROM", "0")
 
 # Enabled before any test module imports mindone, as a user's `import
@@ -17,21 +16,7 @@ os.environ.setdefault("MS_LOADPATCH_FAST_CONSTRUCTION_FROM", "0")
 # mindone.transformers (unless MS_LOADPATCH or MS_LOADPATCH_LAZY_IMPORT is off).
 import ms_loadpatch  # noqa: E402,F401
 
-
-def run_python(code_or_args, env_extra=None, env_drop=(), timeout=600, cwd=None):
-    """Run a fresh Python process (real import order, real environment)."""
-    env = {k: v for k, v in os.environ.items() if k not in env_drop}
-    env.pop("MS_LOADPATCH", None)
-    env.update(env_extra or {})
-    args = [sys.executable] + (["-c", code_or_args] if isinstance(code_or_args, str) else list(code_or_args))
-    return subprocess.run(args, env=env, capture_output=True, text=True, timeout=timeout, cwd=cwd or TESTS_DIR)
-
-
-def report_of(proc):
-    for line in proc.stdout.splitlines():
-        if line.startswith("REPORT "):
-            return json.loads(line[len("REPORT ") :])
-    raise AssertionError(f"no REPORT line; exit {proc.returncode}\nstdout:\n{proc.stdout}\nstderr:\n{proc.stderr[-4000:]}")
+from _helpers import run_python  # noqa: E402
 
 
 @pytest.fixture

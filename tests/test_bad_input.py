@@ -23,11 +23,11 @@ import threading
 import mindspore as ms
 import numpy as np
 import pytest
-import transformers as hf
 import wrapt
 from safetensors import SafetensorError
 from safetensors.numpy import load_file
 
+from _helpers import tiny_qwen2_config, tiny_vae
 import mindone.diffusers as md
 import mindone.transformers as mt
 import mindone.transformers.modeling_utils as tf_utils
@@ -35,13 +35,9 @@ import ms_loadpatch
 from ms_loadpatch import core
 from ms_loadpatch.strategy import context
 from ms_loadpatch.strategy.construct import CONSTRUCTION_LOCK
-from ms_loadpatch.strategy.reader import CheckpointError
+from ms_loadpatch.strategy.safetensors_header import CheckpointError
 from ms_loadpatch.testing import assert_same_model, cpu_kernel_fallbacks, load_both
 
-QWEN2 = dict(vocab_size=128, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-             intermediate_size=64)
-VAE = dict(block_out_channels=[4, 8], in_channels=3, out_channels=3, down_block_types=["DownEncoderBlock2D"] * 2,
-           up_block_types=["UpDecoderBlock2D"] * 2, latent_channels=4, norm_num_groups=4, sample_size=16)
 LFS_POINTER = (
     "version https://git-lfs.github.com/spec/v1\n"
     "oid sha256:4d7a214614ab2935c943f9e0ff69d22eadbb8f32b1258daaa5e2ca24d17e2393\nsize 107648\n"
@@ -110,10 +106,10 @@ pytestmark = pytest.mark.usefixtures("cpu_kernels", "plugin_enabled")
 def checkpoints(tmp_path_factory):
     root = tmp_path_factory.mktemp("bad-input")
     with ms_loadpatch.disabled(), cpu_kernel_fallbacks():
-        model = mt.Qwen2ForCausalLM(hf.Qwen2Config(**QWEN2))
+        model = mt.Qwen2ForCausalLM(tiny_qwen2_config())
         model.save_pretrained(root / "tf-single")
         model.save_pretrained(root / "tf-sharded", max_shard_size="20KB")
-        vae = md.AutoencoderKL(**VAE)
+        vae = md.AutoencoderKL(**tiny_vae())
         vae.save_pretrained(root / "df-single")
         vae.save_pretrained(root / "df-sharded", max_shard_size="12KB")
     return root

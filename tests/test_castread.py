@@ -15,16 +15,17 @@ import mindspore as ms
 import numpy as np
 import pytest
 
+from _helpers import tiny_qwen2_config
 import mindone.transformers as mt
-import transformers as hf
 import ms_loadpatch
-from ms_loadpatch.strategy import castread, reader
+from ms_loadpatch.strategy import castread, safetensors_header
 from ms_loadpatch.strategy.castread import CastPlan, read_cast
 from ms_loadpatch.strategy.context import last_report
-from ms_loadpatch.strategy.reader import CheckpointError, read_arrays
+from ms_loadpatch.strategy.reader import read_arrays
+from ms_loadpatch.strategy.safetensors_header import CheckpointError
 from ms_loadpatch.testing import assert_same_model, load_both, write_random_checkpoint
 
-BF16 = reader.numpy_dtypes()["BF16"]
+BF16 = safetensors_header.numpy_dtypes()["BF16"]
 
 
 _CODES = {"float32": "F32", "float16": "F16", "bfloat16": "BF16", "int32": "I32"}
@@ -162,9 +163,7 @@ def test_load_cast_while_reading_or_switched_off(tmp_path, cpu_kernels, monkeypa
     or fault-in thread left behind."""
     if switch == "off":
         monkeypatch.setenv("MS_LOADPATCH_TECHNIQUES_OFF", castread.NAME)
-    config = hf.Qwen2Config(vocab_size=128, hidden_size=32, num_hidden_layers=2,
-                                              num_attention_heads=4, num_key_value_heads=2, intermediate_size=64)
-    write_random_checkpoint(mt.Qwen2ForCausalLM, config, str(tmp_path), max_shard_bytes=20_000)
+    write_random_checkpoint(mt.Qwen2ForCausalLM, tiny_qwen2_config(), str(tmp_path), max_shard_bytes=20_000)
     ref, acc = load_both(lambda: mt.Qwen2ForCausalLM.from_pretrained(str(tmp_path), mindspore_dtype=ms.bfloat16))
     report = last_report()
     assert report.shards > 1 and report.tensors_cast == report.tensors_assigned

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 from mindspore import nn
 
+from _helpers import tiny_qwen2_config
 import mindone.transformers as mt
 import ms_loadpatch
 from ms_loadpatch.strategy import building, cellpasses
@@ -122,15 +123,11 @@ def test_probe_runs_before_the_build_not_inside_its_window(tmp_path, monkeypatch
     """Its probe trees built inside a load's construction window would be made
     by the window's techniques and counted in the build's report: a load
     probes before its build, and a window never starts the probe."""
-    import transformers as hf
-
     from ms_loadpatch.strategy.building import window
 
     with cpu_kernel_fallbacks():
         ms.set_seed(0)
-        mt.Qwen2ForCausalLM(hf.Qwen2Config(vocab_size=128, hidden_size=32, num_hidden_layers=2,
-                                           num_attention_heads=4, num_key_value_heads=2,
-                                           intermediate_size=64)).save_pretrained(str(tmp_path))
+        mt.Qwen2ForCausalLM(tiny_qwen2_config()).save_pretrained(str(tmp_path))
     depths = []
     real_probe = cellpasses._probe
     monkeypatch.setattr(cellpasses, "_probe", lambda: (depths.append(window.state.depth), real_probe())[1])
@@ -155,10 +152,7 @@ def test_loads_match_unpatched_object_state(tmp_path, monkeypatch, off):
     """A whole load with the fast passes (and with them switched off): the
     same cells' state as unpatched mindone, the model's own `_tie_weights`
     called by both from_pretrained passes, the fast set_train used only when on."""
-    import transformers as hf
-
-    config = hf.Qwen2Config(vocab_size=128, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-                            num_key_value_heads=2, intermediate_size=64, tie_word_embeddings=True)
+    config = tiny_qwen2_config(tie_word_embeddings=True)
     with cpu_kernel_fallbacks():
         ms.set_seed(0)
         _CustomTieQwen2(config).save_pretrained(str(tmp_path))

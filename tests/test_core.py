@@ -11,7 +11,7 @@ import pytest
 
 pytestmark = pytest.mark.matrix
 
-from conftest import report_of, run_python
+from _helpers import report_of, run_python
 from ms_loadpatch.targets import TARGETS
 
 CHECKS = [

@@ -27,6 +27,7 @@ D = pytest.importorskip("mindone.diffusers")
 import wrapt  # noqa: E402
 from mindspore import mint, ops  # noqa: E402
 
+from _helpers import tiny_unet, tiny_vae  # noqa: E402
 import ms_loadpatch  # noqa: E402
 from ms_loadpatch.glue import common as glue_common  # noqa: E402
 from ms_loadpatch.glue import diffusers as glue  # noqa: E402
@@ -38,15 +39,8 @@ FP32, FP16, BF16 = ms.float32, ms.float16, ms.bfloat16
 DTYPE_NAMES = {None: "none", FP32: "fp32", FP16: "fp16", BF16: "bf16"}
 
 CONFIGS = {
-    "UNet2DConditionModel": dict(
-        block_out_channels=(4, 8), layers_per_block=1, sample_size=8, in_channels=4, out_channels=4,
-        down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"), up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"),
-        cross_attention_dim=8, norm_num_groups=4, attention_head_dim=2,
-    ),
-    "AutoencoderKL": dict(
-        block_out_channels=[4, 8], in_channels=3, out_channels=3, down_block_types=["DownEncoderBlock2D"] * 2,
-        up_block_types=["UpDecoderBlock2D"] * 2, latent_channels=4, norm_num_groups=4, sample_size=16,
-    ),
+    "UNet2DConditionModel": tiny_unet(),
+    "AutoencoderKL": tiny_vae(),
     "FluxTransformer2DModel": dict(
         patch_size=1, in_channels=4, num_layers=1, num_single_layers=1, attention_head_dim=16, num_attention_heads=2,
         joint_attention_dim=32, pooled_projection_dim=32, axes_dims_rope=[4, 4, 8],

@@ -9,11 +9,11 @@ import threading
 import mindspore as ms
 import numpy as np
 import pytest
-import transformers as hf
 from mindspore import nn
 from mindspore.common.initializer import Initializer, Normal, initializer
 from safetensors.numpy import load_file, save_file
 
+from _helpers import tiny_qwen2_config
 import mindone.transformers as mt
 from ms_loadpatch.strategy import building
 from ms_loadpatch.strategy.building import draws, init_pass
@@ -159,8 +159,7 @@ def lacking_checkpoint(tmp_path_factory):
     root = str(tmp_path_factory.mktemp("draws"))
     with cpu_kernel_fallbacks():
         ms.set_seed(0)
-        mt.Qwen2ForCausalLM(hf.Qwen2Config(vocab_size=128, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-                                           num_key_value_heads=2, intermediate_size=64)).save_pretrained(root)
+        mt.Qwen2ForCausalLM(tiny_qwen2_config()).save_pretrained(root)
     path = os.path.join(root, "model.safetensors")
     tensors = load_file(path)
     for key in ("model.layers.0.self_attn.q_proj.weight", "model.layers.0.self_attn.q_proj.bias",

@@ -17,6 +17,7 @@ import mindspore as ms
 import pytest
 import transformers as hf
 
+from _helpers import tiny_qwen2_config, tiny_unet, tiny_vae
 import mindone.diffusers as md
 import mindone.transformers as mt
 import mindone.transformers.modeling_utils as tf_utils
@@ -29,9 +30,7 @@ from test_bad_input import assert_state_restored, process_state, raised
 
 # name -> (class, config, file dtype, max shard size, dtype asked at load)
 SPECS = {
-    "qwen2": (mt.Qwen2ForCausalLM, lambda: hf.Qwen2Config(
-        vocab_size=128, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-        intermediate_size=64), None, "40KB", None),
+    "qwen2": (mt.Qwen2ForCausalLM, tiny_qwen2_config, None, "40KB", None),
     "llama": (mt.LlamaForCausalLM, lambda: hf.LlamaConfig(
         vocab_size=96, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
         intermediate_size=48), None, None, ms.bfloat16),
@@ -42,14 +41,8 @@ SPECS = {
              None, "30KB", ms.float16),
     "t5": (mt.T5ForConditionalGeneration, lambda: hf.T5Config(
         vocab_size=96, d_model=32, d_kv=8, d_ff=48, num_layers=2, num_heads=4), ms.bfloat16, None, ms.float32),
-    "vae": (md.AutoencoderKL, lambda: dict(
-        block_out_channels=[4, 8], in_channels=3, out_channels=3, down_block_types=["DownEncoderBlock2D"] * 2,
-        up_block_types=["UpDecoderBlock2D"] * 2, latent_channels=4, norm_num_groups=4, sample_size=16),
-        None, None, ms.float16),
-    "unet": (md.UNet2DConditionModel, lambda: dict(
-        block_out_channels=(4, 8), layers_per_block=1, sample_size=8, in_channels=4, out_channels=4,
-        down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"), up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"),
-        cross_attention_dim=8, norm_num_groups=4, attention_head_dim=2), ms.bfloat16, "12KB", None),
+    "vae": (md.AutoencoderKL, tiny_vae, None, None, ms.float16),
+    "unet": (md.UNet2DConditionModel, tiny_unet, ms.bfloat16, "12KB", None),
 }
 TRANSFORMERS = ["qwen2", "llama", "bert", "gpt2", "t5"]
 

@@ -25,8 +25,8 @@ from safetensors.numpy import load_file, save_file
 import ms_loadpatch
 from ms_loadpatch.glue import diffusers as df_glue
 from ms_loadpatch.glue import transformers as tf_glue
-from ms_loadpatch.strategy import reader
-from ms_loadpatch.strategy.reader import CheckpointError
+from ms_loadpatch.strategy import safetensors_header, threaded_read
+from ms_loadpatch.strategy.safetensors_header import CheckpointError
 from ms_loadpatch.testing import assert_same_model, load_both
 
 from test_bad_input import _load, _shards, _victim, assert_state_restored, checkpoints, process_state  # noqa: F401
@@ -92,14 +92,14 @@ def _interrupt_at(point, library, monkeypatch, interrupt, slow_read_seconds=0.5)
 
         monkeypatch.setattr(nn.Cell, "__init__", init)
     elif point == "read":  # in a reader thread, which then goes on slowly (storage taking its time)
-        real_pread = reader._pread_into
+        real_pread = threaded_read._pread_into
 
         def pread(fd, view, offset, *rest):
             interrupt.hit()
             time.sleep(slow_read_seconds)
             return real_pread(fd, view, offset, *rest)
 
-        monkeypatch.setattr(reader, "_pread_into", pread)
+        monkeypatch.setattr(threaded_read, "_pread_into", pread)
     elif point == "assign":  # after part of the tensors went into the model
         if library == "tf":
             real_assign = tf_glue.assign
@@ -188,7 +188,7 @@ def test_interrupt_does_not_wait_for_a_slow_read(checkpoints, monkeypatch):
     interrupt = Interrupt()
     slow = 3.0
     read_finished = []
-    real_pread = reader._pread_into
+    real_pread = threaded_read._pread_into
 
     def pread(fd, view, offset, *rest):
         interrupt.hit()
@@ -196,7 +196,7 @@ def test_interrupt_does_not_wait_for_a_slow_read(checkpoints, monkeypatch):
         read_finished.append(time.perf_counter())
         return real_pread(fd, view, offset, *rest)
 
-    monkeypatch.setattr(reader, "_pread_into", pread)
+    monkeypatch.setattr(threaded_read, "_pread_into", pread)
     before = process_state()
     with pytest.raises(KeyboardInterrupt):
         _load("tf", checkpoints / "tf-sharded")
@@ -219,15 +219,15 @@ SIGTERM_CHILD = r"""
 import os, sys, time
 import mindone.transformers as mt
 import ms_loadpatch
-from ms_loadpatch.strategy import reader
+from ms_loadpatch.strategy import threaded_read
 from ms_loadpatch.testing import cpu_kernel_fallbacks
 
-real = reader._pread_into
+real = threaded_read._pread_into
 def slow(fd, view, offset, *rest):
     print("READING", flush=True)
     time.sleep(30)
     return real(fd, view, offset, *rest)
-reader._pread_into = slow
+threaded_read._pread_into = slow
 with cpu_kernel_fallbacks():
     with ms_loadpatch.disabled() if sys.argv[2] == "unpatched" else ms_loadpatch.enabled():
         if sys.argv[2] == "unpatched":
@@ -307,7 +307,7 @@ def test_shard_that_cannot_be_opened(checkpoints, tmp_path, monkeypatch, library
         return real_open(file, *args, **kwargs)
 
     with monkeypatch.context() as patch:
-        patch.setattr(reader, "open", guarded_open, raising=False)
+        patch.setattr(safetensors_header, "open", guarded_open, raising=False)
         error = _fails_naming(library, directory, victim)
     assert error is None or isinstance(error, CheckpointError) and error.errno == errno.EACCES, repr(error)
     _next_load_is_identical(library, directory)
@@ -319,7 +319,7 @@ def test_read_failing_mid_file(checkpoints, tmp_path, monkeypatch, library, layo
     """EIO from the storage in the middle of the data (as a network mount gives)."""
     directory = _copy(checkpoints, tmp_path, f"{library}-{layout}")
     victim = _victim(directory)
-    real_pread = reader._pread_into
+    real_pread = threaded_read._pread_into
 
     def pread(fd, view, offset, *rest):
         if os.path.samefile(f"/proc/self/fd/{fd}", victim):
@@ -327,7 +327,7 @@ def test_read_failing_mid_file(checkpoints, tmp_path, monkeypatch, library, layo
         return real_pread(fd, view, offset, *rest)
 
     with monkeypatch.context() as patch:
-        patch.setattr(reader, "_pread_into", pread)
+        patch.setattr(threaded_read, "_pread_into", pread)
         error = _fails_naming(library, directory, victim)
     assert error is None or isinstance(error, CheckpointError) and error.errno == errno.EIO, repr(error)
     _next_load_is_identical(library, directory)
@@ -335,7 +335,7 @@ def test_read_failing_mid_file(checkpoints, tmp_path, monkeypatch, library, layo
 
 def _change_during_read(monkeypatch, victim, change):
     """Apply `change(victim)` after the reader read the victim's header, before its data."""
-    real = reader.read_header_from
+    real = safetensors_header.read_header_from
 
     def read_header_then_change(f, path):
         header = real(f, path)
@@ -343,7 +343,7 @@ def _change_during_read(monkeypatch, victim, change):
             change(victim)
         return header
 
-    monkeypatch.setattr(reader, "read_header_from", read_header_then_change)
+    monkeypatch.setattr(safetensors_header, "read_header_from", read_header_then_change)
 
 
 def _truncate(path):

@@ -19,7 +19,7 @@ import types
 
 import pytest
 
-from conftest import TESTS_DIR, report_of, run_python
+from _helpers import TESTS_DIR, report_of, run_python, tiny_qwen2_config
 from ms_loadpatch import eager_import_scan, lazy_import, versions
 
 # Imported at collection, with conftest's plugin on, as a script importing
@@ -89,15 +89,12 @@ def _difference(lazy, eager):
 @pytest.fixture(scope="module")
 def tiny_qwen2(tmp_path_factory):
     import mindone.transformers as mt
-    import transformers as hf
 
     from ms_loadpatch.testing import cpu_kernel_fallbacks
 
     directory = tmp_path_factory.mktemp("lazy-dir") / "qwen2"
-    config = hf.Qwen2Config(vocab_size=128, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-                            num_key_value_heads=2, intermediate_size=64)
     with cpu_kernel_fallbacks():
-        mt.Qwen2ForCausalLM(config).save_pretrained(str(directory))
+        mt.Qwen2ForCausalLM(tiny_qwen2_config()).save_pretrained(str(directory))
     return str(directory)
 
 

@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 
 from ms_loadpatch.strategy.ranks import NodeShare, available_cores
-from ms_loadpatch.strategy.reader import read_threads
+from ms_loadpatch.strategy.threaded_read import read_threads
 
 from test_core import _installed_pth
 

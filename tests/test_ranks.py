@@ -9,7 +9,7 @@ import pytest
 
 from ms_loadpatch import activation
 from ms_loadpatch.strategy import ranks
-from ms_loadpatch.strategy.reader import background_read_threads, read_threads
+from ms_loadpatch.strategy.threaded_read import background_read_threads, read_threads
 
 LAUNCHER_VARS = ("MS_LOADPATCH_LOCAL_RANKS", "MS_ROLE", "MS_WORKER_NUM", "LOCAL_WORLD_SIZE",
                  "OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS", "RANK_SIZE", "RANK_ID", "OMPI_COMM_WORLD_RANK", "RANK")

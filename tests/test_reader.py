@@ -14,16 +14,17 @@ from safetensors.numpy import load_file, save_file
 
 import mindone.transformers as mt
 import transformers as hf
-from ms_loadpatch.strategy import reader
-from ms_loadpatch.strategy.reader import CheckpointError, read_arrays
+from ms_loadpatch.strategy import safetensors_header, threaded_read
+from ms_loadpatch.strategy.reader import read_arrays
+from ms_loadpatch.strategy.safetensors_header import CheckpointError
 from ms_loadpatch.testing import assert_same_model, load_both, write_random_checkpoint
 
 
 @pytest.fixture
 def chunked(monkeypatch):
     """Every read split into chunks of (a multiple of) 64 bytes."""
-    monkeypatch.setattr(reader, "PARALLEL_READ_MIN_BYTES", 0)
-    monkeypatch.setattr(reader, "_ALIGN", 64)
+    monkeypatch.setattr(threaded_read, "PARALLEL_READ_MIN_BYTES", 0)
+    monkeypatch.setattr(threaded_read, "_ALIGN", 64)
 
 
 @pytest.fixture
@@ -55,7 +56,7 @@ def _assert_as_safetensors_reads(path):
 
 @pytest.mark.parametrize("threads", [1, 2, 3, 8])
 def test_chunked_read_matches_safetensors(chunked, odd_file, monkeypatch, threads):
-    monkeypatch.setattr(reader, "read_threads", lambda: threads)
+    monkeypatch.setattr(threaded_read, "read_threads", lambda: threads)
     _assert_as_safetensors_reads(odd_file)
 
 
@@ -70,15 +71,15 @@ def test_short_reads_are_continued(chunked, odd_file, monkeypatch):
         calls.append(offset)
         return real(fd, [view[:777]], offset)
 
-    monkeypatch.setattr(reader.os, "preadv", short_preadv)
+    monkeypatch.setattr(threaded_read.os, "preadv", short_preadv)
     _assert_as_safetensors_reads(odd_file)
     assert len(calls) > os.path.getsize(odd_file) // 777  # really read in pieces
 
 
 def test_without_preadv_reads_in_one_thread(chunked, odd_file, monkeypatch):
     """Platforms without os.preadv (Windows) take the seek-and-read path."""
-    monkeypatch.delattr(reader.os, "preadv")
-    monkeypatch.setattr(reader, "run_in_threads", None)  # would fail if chunk threads were started
+    monkeypatch.delattr(threaded_read.os, "preadv")
+    monkeypatch.setattr(threaded_read, "run_in_threads", None)  # would fail if chunk threads were started
     _assert_as_safetensors_reads(odd_file)
 
 
@@ -87,8 +88,8 @@ def test_file_ending_early_in_a_chunk_is_refused(chunked, odd_file, monkeypatch,
     """A file that shrinks after its header was checked (rewritten while
     being loaded): the read comes back short in one chunk; refused, naming
     the file and how much arrived, whichever chunk ends early."""
-    monkeypatch.setattr(reader, "read_threads", lambda: threads)
-    header = reader.read_header(odd_file)
+    monkeypatch.setattr(threaded_read, "read_threads", lambda: threads)
+    header = safetensors_header.read_header(odd_file)
     end = os.path.getsize(odd_file)
     cut = header.data_start + 1000  # inside the first chunk when there are several
     real = os.preadv
@@ -99,7 +100,7 @@ def test_file_ending_early_in_a_chunk_is_refused(chunked, odd_file, monkeypatch,
             return 0
         return real(fd, [view[: cut - offset]], offset)
 
-    monkeypatch.setattr(reader.os, "preadv", ends_at_cut)
+    monkeypatch.setattr(threaded_read.os, "preadv", ends_at_cut)
     with pytest.raises(CheckpointError) as raised:
         read_arrays(odd_file)
     assert raised.value.path == odd_file
@@ -109,8 +110,8 @@ def test_file_ending_early_in_a_chunk_is_refused(chunked, odd_file, monkeypatch,
 def test_patched_load_with_chunked_reads_is_identical(chunked, tmp_path, cpu_kernels, monkeypatch):
     """The whole from_pretrained path with the shards read in chunks."""
     chunk_reads = []
-    real = reader._pread_into
-    monkeypatch.setattr(reader, "_pread_into",
+    real = threaded_read._pread_into
+    monkeypatch.setattr(threaded_read, "_pread_into",
                         lambda fd, view, offset, *rest: chunk_reads.append(offset) or real(fd, view, offset, *rest))
     config = hf.Qwen2Config(vocab_size=512, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
                             num_key_value_heads=2, intermediate_size=96, tie_word_embeddings=False)

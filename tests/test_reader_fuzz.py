@@ -1,5 +1,6 @@
-"""Fuzzing the safetensors reader (strategy/reader.py) against the
-safetensors library, the check mindone itself runs on every file.
+"""Fuzzing the safetensors reader (strategy/reader.py, its header checks in
+strategy/safetensors_header.py) against the safetensors library, the check
+mindone itself runs on every file.
 
 Property, for every input: read_arrays either returns exactly what the
 safetensors library reads (names, dtypes, shapes, bytes, metadata), or raises
@@ -23,8 +24,9 @@ from hypothesis import strategies as st
 from safetensors import deserialize, safe_open
 from safetensors.numpy import load_file, save
 
-from ms_loadpatch.strategy import reader
-from ms_loadpatch.strategy.reader import CheckpointError, read_arrays
+from ms_loadpatch.strategy import safetensors_header
+from ms_loadpatch.strategy.reader import read_arrays
+from ms_loadpatch.strategy.safetensors_header import CheckpointError
 
 _CAMPAIGN = int(os.environ.get("MS_LOADPATCH_FUZZ_EXAMPLES", "0"))
 
@@ -41,7 +43,7 @@ def _settings(examples):
 
 # -- the oracle and the property
 
-_ST_NAME = {dtype: name for name, dtype in reader.numpy_dtypes().items()}
+_ST_NAME = {dtype: name for name, dtype in safetensors_header.numpy_dtypes().items()}
 
 
 def _library_reading(path):
@@ -60,7 +62,7 @@ def _library_reading(path):
 
 def _numpy_refuses(dtype_name, shape) -> bool:
     """The one documented extra refusal: what numpy cannot represent."""
-    if dtype_name in reader._UNSUPPORTED_DTYPES:
+    if dtype_name in safetensors_header._UNSUPPORTED_DTYPES:
         return True
     try:
         np.empty(0, np.uint8).reshape(shape)

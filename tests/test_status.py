@@ -12,7 +12,7 @@ import textwrap
 import pytest
 from packaging.version import Version
 
-from conftest import report_of, run_python
+from _helpers import report_of, run_python
 from ms_loadpatch import versions
 from ms_loadpatch.targets import TARGETS
 

@@ -15,7 +15,7 @@ import textwrap
 
 import pytest
 
-from conftest import run_python
+from _helpers import run_python
 from ms_loadpatch import cli
 from ms_loadpatch.tools import bench
 
@@ -226,7 +226,7 @@ def test_last_report_is_public_and_import_stays_light():
         }))
         """
     )
-    from conftest import report_of
+    from _helpers import report_of
 
     assert report_of(run_python(code)) == {"report": "None", "exported": True, "heavy": []}
 

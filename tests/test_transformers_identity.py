@@ -18,6 +18,7 @@ import pytest
 import transformers as hf
 from safetensors.numpy import load_file, save_file
 
+from _helpers import tiny_qwen2_config
 import mindone.transformers as mt
 import ms_loadpatch
 from ms_loadpatch.strategy import building
@@ -28,8 +29,7 @@ from ms_loadpatch.testing import assert_same_model, compare, cpu_kernel_fallback
 ARCHS = {
     "qwen2": (
         mt.Qwen2ForCausalLM,
-        lambda: hf.Qwen2Config(vocab_size=128, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-                               num_key_value_heads=2, intermediate_size=64, tie_word_embeddings=True),
+        lambda: tiny_qwen2_config(tie_word_embeddings=True),
     ),
     "llama": (
         mt.LlamaForCausalLM,

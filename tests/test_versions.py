@@ -13,7 +13,7 @@ import textwrap
 import pytest
 from packaging.version import Version
 
-from conftest import report_of, run_python
+from _helpers import report_of, run_python
 from ms_loadpatch import api_probes, core, versions
 from ms_loadpatch.targets import TARGETS
 

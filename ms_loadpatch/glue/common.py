@@ -17,7 +17,7 @@ from ..strategy.castread import CastPlan, CastRegistry
 from ..strategy.construct import CONSTRUCTION_LOCK
 from ..strategy.building.gc_pause import collection_paused
 from ..strategy.prefetch import CheckpointFiles, local_checkpoint_files, read_file, start_prefetch, take_or_read
-from ..strategy.reader import CheckpointError
+from ..strategy.safetensors_header import CheckpointError
 from ..strategy.tensors import to_tensor
 
 logger = logging.getLogger("ms_loadpatch")

@@ -39,7 +39,7 @@ from .calls import argument, inside_load, with_argument
 from ..strategy import context
 from ..strategy.assign import assign_in_final_dtype, cast_parameters, initialise_lazy, parameter_index
 from ..strategy.construct import CONSTRUCTION_LOCK, lazy_construction
-from ..strategy.reader import CheckpointError, file_named_in_errors
+from ..strategy.safetensors_header import CheckpointError, file_named_in_errors
 
 logger = logging.getLogger("ms_loadpatch")
 _MODULE = "mindone.diffusers.models.modeling_utils"

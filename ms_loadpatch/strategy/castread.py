@@ -34,8 +34,8 @@ import threading
 import numpy as np
 
 from . import randomstate, switch, verdict
-from .reader import (CheckpointError, checkpoint_os_error, data_buffer, read_header_from, read_into, read_threads,
-                     run_in_threads, unchanged_file)
+from .safetensors_header import CheckpointError, checkpoint_os_error, read_header_from, unchanged_file
+from .threaded_read import data_buffer, read_into, read_threads, run_in_threads
 
 NAME = "cast-on-read"
 DESCRIPTION = ("a load asked for another dtype reads the tensors it casts through a reused staging buffer into "
@@ -56,7 +56,7 @@ def _floating() -> dict:
     """mindspore float dtype -> the numpy dtype Tensor.from_numpy maps to it."""
     import mindspore as ms
 
-    from .reader import numpy_dtypes
+    from .safetensors_header import numpy_dtypes
 
     dtypes = numpy_dtypes()
     out = {ms.float32: dtypes["F32"], ms.float16: dtypes["F16"]}

@@ -16,7 +16,8 @@ import threading
 from ..activation import env_flag
 from .ranks import node_share
 from .castread import Staging, read_cast
-from .reader import ReadStopped, background_read_threads, join_or_leave, read_arrays, read_threads
+from .reader import read_arrays
+from .threaded_read import ReadStopped, background_read_threads, join_or_leave, read_threads
 
 
 def parallel_workers() -> int:

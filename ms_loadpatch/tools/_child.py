@@ -112,7 +112,7 @@ def prime_memory(nbytes: int) -> None:
                          "use --memory as-is")
     from concurrent.futures import ThreadPoolExecutor
 
-    from ..strategy.reader import read_threads
+    from ..strategy.threaded_read import read_threads
 
     buffer = np.empty(nbytes, dtype=np.uint8)
     step = -(-nbytes // read_threads())
@@ -202,7 +202,7 @@ def _warm_page_cache(files) -> None:
 
 
 def _task_floors(task: dict) -> dict:
-    from ..strategy.reader import read_into
+    from ..strategy.threaded_read import read_into
 
     spec = LoadSpec(**task["spec"])
     ms_loadpatch.disable()

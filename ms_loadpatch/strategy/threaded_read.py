@@ -1,0 +1,177 @@
+"""Reading a byte range of an open file into memory: in one call, or, for
+a large read, in chunks, one daemon thread each (a read blocked on storage
+that does not answer must hold up neither a stopped load nor the
+interpreter's exit). A stop request (an Event) is seen between steps of
+READ_STEP_BYTES. The thread counts divide the node among the ranks of a job.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+
+import numpy as np
+
+from .ranks import NodeShare, node_share
+
+logger = logging.getLogger("ms_loadpatch")
+
+# Below this a file's data is read in one call; above, in a few threads: page
+# faults on fresh memory, not the copy, bound the read (about 2 s/GB on a VM
+# whose freed memory goes back to the host), and they scale with cores.
+PARALLEL_READ_MIN_BYTES = 64 << 20
+_ALIGN = 2 << 20  # chunk borders on huge-page boundaries
+
+
+def read_threads(share: NodeShare | None = None) -> int:
+    """Threads for one file's read: twice the cores (measured: past the core
+    count still helps, faults wait on the host), up to 8, divided among the
+    ranks of a job sharing the node."""
+    share = share or node_share()
+    return share.divide(min(8, 2 * share.cores))
+
+
+def background_read_threads(share: NodeShare | None = None) -> int:
+    """Threads for a read that runs beside other work: one core left to it."""
+    share = share or node_share()
+    return share.divide(max(1, share.cores - 1))
+
+
+# One read(2) at most this long: a stop request is seen between two.
+READ_STEP_BYTES = 64 << 20
+# How long a stopped load waits for its reader threads before leaving them to
+# finish in the background (a read blocked on storage that does not answer).
+STOP_GRACE_SECONDS = 2.0
+
+
+class ReadStopped(Exception):
+    """A read abandoned on request (the load it was for has ended)."""
+
+
+def _fill(view: memoryview, read_part, stop=None) -> int:
+    """Call read_part(next part of view, bytes so far) until `view` is full
+    or it returns 0 (end of file); the count read. Loops: one read(2) returns
+    at most about 2 GiB, and shards are often larger. Checks `stop` (an
+    Event) between parts."""
+    got = 0
+    while got < len(view):
+        if stop is not None and stop.is_set():
+            raise ReadStopped()
+        n = read_part(view[got : got + READ_STEP_BYTES], got)
+        if not n:
+            break
+        got += n
+    return got
+
+
+def _pread_into(fd: int, view: memoryview, offset: int, stop=None) -> int:
+    return _fill(view, lambda part, done: os.preadv(fd, [part], offset + done), stop)
+
+
+def _seek_read_into(fd: int, view: memoryview, offset: int, stop=None) -> int:
+    """_pread_into where there is no preadv (Windows): one thread, seek then read."""
+    os.lseek(fd, offset, os.SEEK_SET)
+    with open(fd, "rb", buffering=0, closefd=False) as f:
+        return _fill(view, lambda part, done: f.readinto(part), stop)
+
+
+def join_or_leave(threads, stop, what: str, grace: float | None = None) -> None:
+    """Ask `threads` to stop (`stop.set()`), wait up to `grace` seconds for
+    them, then leave the rest (daemon threads, each owning its buffer and file)
+    to end on their own when their read returns, with a warning naming `what`."""
+    stop.set()
+    deadline = time.monotonic() + (STOP_GRACE_SECONDS if grace is None else grace)
+    for thread in threads:
+        if thread.ident is not None:
+            thread.join(max(0.0, deadline - time.monotonic()))
+    alive = [t.name for t in threads if t.is_alive()]
+    if alive:
+        logger.warning(
+            "ms_loadpatch: %s did not stop within %.1f s (storage not answering?); %s left to end in the background",
+            what, STOP_GRACE_SECONDS if grace is None else grace, ", ".join(alive),
+        )
+
+
+def run_in_threads(calls, name: str, stop, what: str) -> list:
+    """Each of `calls` in a daemon thread of its own (a read blocked on storage
+    must not hold up the interpreter's exit); their results in order, the first
+    error raised. If this thread is interrupted meanwhile, the others are
+    stopped (join_or_leave) before the interrupt goes on. A thread that cannot
+    be started (a thread limit) has its call run here instead."""
+    results, errors = [None] * len(calls), []
+
+    def run(i):
+        try:
+            results[i] = calls[i]()
+        except BaseException as exc:  # noqa: BLE001 - handed to the caller
+            errors.append(exc)
+            stop.set()
+
+    threads = []
+    try:
+        for i in range(len(calls)):
+            thread = threading.Thread(target=run, args=(i,), name=f"{name}-{i}", daemon=True)
+            try:
+                thread.start()
+            except RuntimeError:  # "can't start new thread"
+                run(i)
+                continue
+            threads.append(thread)
+        for thread in threads:
+            thread.join()
+    except BaseException:
+        join_or_leave(threads, stop, what)
+        raise
+    real = [e for e in errors if not isinstance(e, ReadStopped)]
+    if real or errors:
+        raise (real or errors)[0]
+    return results
+
+
+def read_into(fd: int, buffer: np.ndarray, offset: int, threads: int | None = None, stop=None, what="a read") -> int:
+    """Read len(buffer) bytes of `fd` from `offset` into `buffer`, split
+    across threads for large reads; the count read. `stop` (an Event) ends
+    it early with ReadStopped."""
+    view = memoryview(buffer).cast("B")
+    threads = read_threads() if threads is None else threads
+    if not hasattr(os, "preadv"):
+        return _seek_read_into(fd, view, offset, stop)
+    if threads <= 1 or len(view) < PARALLEL_READ_MIN_BYTES:
+        return _pread_into(fd, view, offset, stop)
+    step = -(-len(view) // threads // _ALIGN) * _ALIGN
+    bounds = [(lo, min(lo + step, len(view))) for lo in range(0, len(view), step)]
+    chunk_stop = threading.Event()
+    if stop is not None and stop.is_set():
+        raise ReadStopped()
+
+    def chunk(lo, hi):
+        return _pread_into(fd, view[lo:hi], offset + lo, _Either(stop, chunk_stop))
+
+    counts = run_in_threads([lambda b=b: chunk(*b) for b in bounds], "ms_loadpatch-read-chunk", chunk_stop, what)
+    for (lo, hi), count in zip(bounds, counts):
+        if count != hi - lo:  # a short chunk: the file ends inside it
+            return lo + count
+    return len(view)
+
+
+class _Either:
+    """is_set() of either of two Events (the load's stop, or a sibling chunk's failure)."""
+
+    def __init__(self, first, second):
+        self._events = [e for e in (first, second) if e is not None]
+
+    def is_set(self) -> bool:
+        return any(e.is_set() for e in self._events)
+
+
+def data_buffer(path, nbytes: int) -> np.ndarray:
+    """An uninitialised byte buffer for `path`'s tensor data; MemoryError naming the file."""
+    try:
+        return np.empty(nbytes, dtype=np.uint8)
+    except MemoryError as exc:
+        raise MemoryError(
+            f"Cannot load checkpoint file {os.fspath(path)}: not enough memory for its {nbytes} bytes of "
+            f"tensor data ({exc})"
+        ) from exc
