@@ -17,10 +17,9 @@ are swapped for the strategy's:
   bf16 is never copied; mindone goes bf16 -> fp32 -> bf16.
 - the final `model.to(dtype)` then skips every parameter already in dtype.
 
-Parameters the checkpoint did not fill stay lazy in mindone (initialised at
-first use); here they are initialised, by the same initializer, before
-returning. Each wrapper calls straight through when no accelerated diffusers
-load is active in the calling thread.
+Parameters the checkpoint did not fill stay lazy, as in mindone: filled at
+first use, taking their draws then. Each wrapper calls straight through
+when no accelerated diffusers load is active in the calling thread.
 """
 
 from __future__ import annotations
@@ -37,7 +36,7 @@ import wrapt
 from . import common
 from .calls import argument, inside_load, with_argument
 from ..strategy import context
-from ..strategy.assign import assign_in_final_dtype, cast_parameters, initialise_lazy, parameter_index
+from ..strategy.assign import assign_in_final_dtype, cast_parameters, parameter_index
 from ..strategy.construct import CONSTRUCTION_LOCK, lazy_construction
 from ..strategy.safetensors_header import CheckpointError, file_named_in_errors
 
@@ -90,16 +89,13 @@ def _accelerated_from_pretrained(wrapped, instance, args, kwargs):
 
 
 def _finish(ctx, result) -> None:
-    """Report a fallback; else initialise what the checkpoint left lazy."""
+    """Report a fallback. What the checkpoint lacked stays lazy, as mindone
+    leaves it: filled (its draw taken) at first use, as unpatched."""
     report = ctx.report
-    model = result[0] if isinstance(result, tuple) else result
     if ctx.state.fallback_reason:
         report.technique = f"fallback to mindone: {ctx.state.fallback_reason}"
     elif not ctx.state.load_done:
         report.technique = "fallback to mindone: its loading path did not run"
-    else:
-        with report.phase("init-missing"):
-            report.missing_initialised = initialise_lazy(model)
 
 
 def no_init_parameters(wrapped, instance, args, kwargs):

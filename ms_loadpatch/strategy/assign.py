@@ -222,20 +222,3 @@ def assign_in_final_dtype(index, state_dict, dtype, keep_in_fp32_modules, report
             param.set_dtype(final)  # lazy: metadata only; otherwise a cast set_data then overwrites
         param.set_data(value)  # not assign.fill: mindone's diffusers load keeps the initializer (init_mode) too
         report.tensors_assigned += 1
-
-
-def initialise_lazy(model) -> int:
-    """Give every parameter still lazy (not in the checkpoint) its initializer's
-    value now, in its current dtype; mindone would do it at first use.
-    Returns how many."""
-    count = 0
-    seen = set()
-    for _, cell in model.cells_and_names():
-        if id(cell) in seen:
-            continue
-        seen.add(id(cell))
-        lazy = [p for p in cell._params.values() if p is not None and p.has_init]
-        for param in lazy:
-            param.init_data()
-        count += len(lazy)
-    return count
