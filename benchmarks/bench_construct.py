@@ -56,10 +56,10 @@ import mindone.transformers as transformers
 import mindone.transformers.modeling_utils as modeling_utils
 from mindspore.nn.utils import no_init_parameters
 import ms_loadpatch
-from ms_loadpatch import registry
+from ms_loadpatch import techniques
 from ms_loadpatch.strategy import building
 from ms_loadpatch.strategy.building import window
-from ms_loadpatch.strategy.construct import lazy_construction
+from ms_loadpatch.strategy.building.construction import lazy_construction
 from ms_loadpatch.testing import cpu_kernel_fallbacks
 from ms_loadpatch.tools._child import prime_memory
 
@@ -82,7 +82,7 @@ with cpu_kernel_fallbacks():  # this backend lacks some kernels mindone's constr
 cells = sum(1 for _ in model.cells_and_names())
 params = len(model.parameters_dict())
 active = [t.name for t in building.active_techniques()]
-build = registry.last_build() if variant != "floor" else None
+build = techniques.last_build() if variant != "floor" else None
 print("RESULT " + json.dumps({"seconds": seconds, "cells": cells, "parameters": params, "active": active,
                               "engaged_at": window.state.engaged_at if variant != "floor" else None,
                               "copied": build["cells_copied"] if build else 0,

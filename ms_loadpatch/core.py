@@ -15,7 +15,7 @@ import threading
 
 import wrapt
 
-from . import lazy_import, registry, versions
+from . import lazy_import, techniques, versions
 from .targets import TARGETS, Target
 
 logger = logging.getLogger("ms_loadpatch")
@@ -166,8 +166,8 @@ class _Patcher:
             "untested": list(gate.untested),
             "libraries": {library: _library_verdict(library, enabled, gate, targets)
                           for library in versions.LIBRARIES},
-            "techniques": registry.status_rows() if gate.ok else [],
-            "last_build": registry.last_build(),
+            "techniques": techniques.status_rows() if gate.ok else [],
+            "last_build": techniques.last_build(),
             "targets": targets,
             "lazy_import": lazy_import.status(),
         }

@@ -246,7 +246,7 @@ class Techniques:
     # Tensor-level cast: `Tensor.set_dtype`, mindone's own cast, cheapest per call.
     cast: str
     # Lazy construction: the flag `no_init_parameters` sets (Parameter.init_param),
-    # scoped to the building thread (strategy/construct.py).
+    # scoped to the building thread (strategy/building/construction.py).
     construct: str
     # Checkpoint arrays to tensors without a copy: `Tensor.from_numpy`, with
     # bf16 read as `mindspore.common.np_dtype.bfloat16`.

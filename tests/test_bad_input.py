@@ -34,7 +34,7 @@ import mindone.transformers.modeling_utils as tf_utils
 import ms_loadpatch
 from ms_loadpatch import core
 from ms_loadpatch.strategy import context
-from ms_loadpatch.strategy.construct import CONSTRUCTION_LOCK
+from ms_loadpatch.strategy.building.lazy import CONSTRUCTION_LOCK
 from ms_loadpatch.strategy.safetensors_header import CheckpointError
 from ms_loadpatch.testing import assert_same_model, cpu_kernel_fallbacks, load_both
 

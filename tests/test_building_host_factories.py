@@ -12,7 +12,8 @@ import pytest
 from _building_helpers import ms_factory
 from ms_loadpatch.strategy import building
 from ms_loadpatch.strategy.building import probe, window
-from ms_loadpatch.strategy.construct import CONSTRUCTION_LOCK, lazy_construction
+from ms_loadpatch.strategy.building.construction import lazy_construction
+from ms_loadpatch.strategy.building.lazy import CONSTRUCTION_LOCK
 
 pytestmark = pytest.mark.usefixtures("cpu_kernels", "plugin_enabled")
 

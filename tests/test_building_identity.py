@@ -28,7 +28,8 @@ from _building_helpers import checkpoints  # noqa: F401  (a fixture)
 import ms_loadpatch
 from ms_loadpatch.strategy import building, context
 from ms_loadpatch.strategy.building import state
-from ms_loadpatch.strategy.construct import CONSTRUCTION_LOCK, lazy_construction
+from ms_loadpatch.strategy.building.construction import lazy_construction
+from ms_loadpatch.strategy.building.lazy import CONSTRUCTION_LOCK
 from ms_loadpatch.testing import assert_same_model, load_both
 
 pytestmark = pytest.mark.usefixtures("cpu_kernels", "plugin_enabled")

@@ -14,7 +14,7 @@ from _building_helpers import techniques_off
 from _building_helpers import checkpoints  # noqa: F401  (a fixture)
 from ms_loadpatch.strategy import building, context, switch
 from ms_loadpatch.strategy.building import probe
-from ms_loadpatch.strategy.construct import CONSTRUCTION_LOCK
+from ms_loadpatch.strategy.building.lazy import CONSTRUCTION_LOCK
 from ms_loadpatch.testing import assert_same_model, load_both
 
 pytestmark = pytest.mark.usefixtures("cpu_kernels", "plugin_enabled")

@@ -17,9 +17,9 @@ from _building_helpers import MOE_FAMILIES, TF_ARCHS, assert_same_state, sibling
 from _building_helpers import checkpoints  # noqa: F401  (a fixture)
 import mindone.transformers as mt
 import ms_loadpatch
-from ms_loadpatch import registry
+from ms_loadpatch import techniques
 from ms_loadpatch.strategy import building, context
-from ms_loadpatch.strategy.construct import lazy_construction
+from ms_loadpatch.strategy.building.construction import lazy_construction
 
 pytestmark = pytest.mark.usefixtures("cpu_kernels", "plugin_enabled")
 
@@ -51,10 +51,10 @@ def _built_plain_and_fast(cls, config, monkeypatch):
     ms.set_seed(1)
     with techniques_off("sibling-clone"), lazy_construction(fast=True):
         plain = cls(config())
-    plain_build = registry.last_build()
+    plain_build = techniques.last_build()
     with lazy_construction(fast=True):
         fast = cls(config())
-    return plain, plain_build, fast, registry.last_build()
+    return plain, plain_build, fast, techniques.last_build()
 
 
 @pytest.mark.parametrize("arch", MOE_FAMILIES)
@@ -167,7 +167,7 @@ _Inner.__module__ = _Outer.__module__ = "mindone.ms_loadpatch_test_cells"
 def test_the_report_says_a_class_was_copied_only_within_its_parents():
     with lazy_construction(fast=True):
         nn.CellList([_Outer(4) for _ in range(6)])
-    not_copied = registry.last_build()["not_copied"]
+    not_copied = techniques.last_build()["not_copied"]
     # _Outer's fifth and sixth builds are copies, its _Inner copied with them; _Inner alone never was
     assert not_copied[f"{_Inner.__module__}._Inner"] == "copied only within the cells that hold it", not_copied
     assert f"{_Outer.__module__}._Outer" not in not_copied

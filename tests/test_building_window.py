@@ -19,7 +19,8 @@ import mindone.transformers as mt
 import ms_loadpatch
 from ms_loadpatch.strategy import building
 from ms_loadpatch.strategy.building import window
-from ms_loadpatch.strategy.construct import CONSTRUCTION_LOCK, lazy_construction
+from ms_loadpatch.strategy.building.construction import lazy_construction
+from ms_loadpatch.strategy.building.lazy import CONSTRUCTION_LOCK
 from ms_loadpatch.testing import cpu_kernel_fallbacks
 
 pytestmark = pytest.mark.usefixtures("cpu_kernels", "plugin_enabled")
@@ -69,7 +70,7 @@ import mindone.transformers as mt
 import ms_loadpatch
 from ms_loadpatch.strategy import building, switch
 from ms_loadpatch.strategy.building import probe, state, window
-from ms_loadpatch.strategy.construct import lazy_construction
+from ms_loadpatch.strategy.building.construction import lazy_construction
 from ms_loadpatch.testing import assert_same_model, cpu_kernel_fallbacks, load_both
 
 config = lambda: hf.MixtralConfig(vocab_size=128, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
@@ -246,7 +247,7 @@ def test_refresh_parameter_names_visits_each_cell_first(monkeypatch):
     """init_weights' flag pass rides on the refresh's walk: `each_cell` sees
     the cells cells_and_names() gives (shared once, an empty CellList not),
     in its order, before any name is set; inside a fast window and outside."""
-    from ms_loadpatch.strategy.construct import refresh_parameter_names
+    from ms_loadpatch.strategy.building.construction import refresh_parameter_names
 
     class Block(nn.Cell):
         def __init__(self):
@@ -272,7 +273,7 @@ def test_refresh_parameter_names_sets_only_what_differs(monkeypatch):
     """What init_weights does besides init: every parameter named by its path
     (through flat-name-walk's walk inside a fast window); a wrong name is set,
     a right one is not set again."""
-    from ms_loadpatch.strategy.construct import refresh_parameter_names
+    from ms_loadpatch.strategy.building.construction import refresh_parameter_names
 
     class Block(nn.Cell):
         def __init__(self):

@@ -14,7 +14,7 @@ from ..strategy import context
 from ..strategy.assign import cast_parameters
 from ..strategy.building import fast_construction
 from ..strategy.castread import CastPlan, CastRegistry
-from ..strategy.construct import CONSTRUCTION_LOCK
+from ..strategy.building.lazy import CONSTRUCTION_LOCK
 from ..strategy.building.gc_pause import collection_paused
 from ..strategy.prefetch import CheckpointFiles, local_checkpoint_files, read_file, start_prefetch, take_or_read
 from ..strategy.safetensors_header import CheckpointError

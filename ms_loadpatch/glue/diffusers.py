@@ -37,7 +37,8 @@ from . import common
 from .calls import argument, inside_load, with_argument
 from ..strategy import context
 from ..strategy.assign import assign_in_final_dtype, cast_parameters, parameter_index
-from ..strategy.construct import CONSTRUCTION_LOCK, lazy_construction
+from ..strategy.building.construction import lazy_construction
+from ..strategy.building.lazy import CONSTRUCTION_LOCK
 from ..strategy.safetensors_header import CheckpointError, file_named_in_errors
 
 logger = logging.getLogger("ms_loadpatch")

@@ -22,7 +22,7 @@ from .calls import argument, inside_load
 from ..strategy import building, cellpasses, context
 from ..strategy.assign import assign, cast_parameters, cell_to_keeping_lazy, check_and_pair
 from ..strategy.building import draws, init_pass, window
-from ..strategy.construct import initialize_unloaded, lazy_construction, refresh_parameter_names, state_index
+from ..strategy.building.construction import initialize_unloaded, lazy_construction, refresh_parameter_names, state_index
 from ..strategy.safetensors_header import file_named_in_errors, safe_open_error_naming_file
 from ..strategy.tensors import to_tensor
 

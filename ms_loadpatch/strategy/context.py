@@ -185,7 +185,7 @@ class LoadState:
     # transformers: per model, id(model) -> ...
     model_keys: dict[int, set] = dataclasses.field(default_factory=dict)  # model.state_dict()'s keys
     pt2ms_mappings: dict[int, dict] = dataclasses.field(default_factory=dict)  # mindone's _get_pt2ms_mappings(model)
-    assign_index: dict[int, dict] = dataclasses.field(default_factory=dict)  # construct.state_index(model)
+    assign_index: dict[int, dict] = dataclasses.field(default_factory=dict)  # construction.state_index(model)
     # diffusers
     fallback_reason: str | None = None  # why mindone's own loader loads this model
     parameter_index: tuple | None = None  # (model, name -> (parameter, construction dtype))

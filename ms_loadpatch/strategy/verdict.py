@@ -12,7 +12,7 @@ ACTIVE, SKIPPED, OFF = "active", "skipped", "off"
 def row(name: str, libraries, description: str, problem: str | None, passed: str) -> dict:
     """status()'s row of a probed technique switched on: active (reason
     `passed`) when its probe found no `problem`, else skipped with the
-    probe's reason. `libraries` None: left to the caller (the registry)."""
+    probe's reason. `libraries` None: left to the caller (the technique table)."""
     if problem is None:
         return _row(name, libraries, description, ACTIVE, passed)
     return _row(name, libraries, description, SKIPPED, f"probe failed: {problem}")

@@ -1,6 +1,6 @@
 """Building cells and parameters with less Python work, producing the same objects.
 
-Entered inside the lazy-construction window (construct.lazy_construction and
+Entered inside the lazy-construction window (construction.lazy_construction and
 the from_config wrappers), under CONSTRUCTION_LOCK, for the building thread
 only: each technique (technique.Technique) swaps one mindspore function for
 a dispatcher that runs the fast version in the building thread and the
@@ -89,7 +89,7 @@ def switched_off() -> set[str]:
 
 
 def technique_status() -> list[dict]:
-    """One verdict.row per technique (its libraries left to the registry,
+    """One verdict.row per technique (its libraries left to the technique table,
     which knows them). Runs the probes (once per process); needs mindspore."""
     rows = []
     for technique in TECHNIQUES:

@@ -5,11 +5,10 @@ from __future__ import annotations
 
 import contextlib
 
-from . import building
-from .building import draws, fast_construction
-from .building.lazy import CONSTRUCTION_LOCK, lazy_parameters
+from . import draws, fast_construction, named_parameters
+from .lazy import lazy_parameters
 
-__all__ = ["CONSTRUCTION_LOCK", "lazy_construction", "refresh_parameter_names", "walk_cells", "state_index",
+__all__ = ["lazy_construction", "refresh_parameter_names", "walk_cells", "state_index",
            "as_load_state_dict_leaves_it", "initialize_unloaded"]
 
 
@@ -42,7 +41,7 @@ def refresh_parameter_names(root, each_cell=None) -> None:
     `each_cell(cell)` first, on every cell in cells_and_names() order (the
     init pass's place), from the same walk when it is flat."""
     cells = [] if each_cell is not None else None
-    named = building.named_parameters(root, cells)
+    named = named_parameters(root, cells)
     if each_cell is not None:
         for cell in (cell for _, cell in root.cells_and_names()) if named is None else cells:
             each_cell(cell)
