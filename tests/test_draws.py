@@ -4,11 +4,13 @@ draws, the values of weights a checkpoint lacks, the order of the pass, and
 what they patch, only in the accounting thread and only while they run."""
 
 import os
+import random
 import threading
 
 import mindspore as ms
 import numpy as np
 import pytest
+import transformers as hf
 from mindspore import nn
 from mindspore.common.initializer import Initializer, Normal, initializer
 from safetensors.numpy import load_file, save_file
@@ -131,7 +133,7 @@ def test_filling_on_touch_fills_lazy_parameters_with_their_own_draws_and_restore
         with init_pass.filling_on_touch() as filled:
             lazy[0] = 1.0  # indexing into a lazy parameter fills it first
             _ = lazy.data  # already filled: nothing more
-        assert filled.count == 1
+        assert filled.filled == 1
     assert not lazy.has_init and lazy.asnumpy().tobytes() == plain.asnumpy().tobytes()
     assert dict(vars(ms.Parameter)) == before and init_pass.leftovers() == [] and draws.leftovers() == []
 
@@ -197,3 +199,52 @@ def test_init_pass_failure_raises_as_unpatched_and_leaves_nothing(lacking_checkp
 
     with ms_loadpatch.disabled(), pytest.raises(ValueError, match="init failed"):
         _FailingInitQwen2.from_pretrained(lacking_checkpoint)
+
+
+def _mixtral(experts=8):
+    return hf.MixtralConfig(vocab_size=128, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                            num_key_value_heads=2, intermediate_size=16, num_local_experts=experts,
+                            num_experts_per_tok=2)
+
+
+def _drawing_python_random_too(init_weights):
+    """An `_init_weights` that also draws from Python's random on every expert
+    weight: a replay would skip those draws, so those calls are never replayed."""
+
+    def _init_weights(self, module):
+        init_weights(self, module)
+        if isinstance(module, ms.mint.nn.Linear) and module.weight.shape == (16, 32):
+            random.random()
+
+    return _init_weights
+
+
+@pytest.fixture(scope="module")
+def mixtral_checkpoint(tmp_path_factory):
+    from ms_loadpatch.testing import cpu_kernel_fallbacks
+
+    root = str(tmp_path_factory.mktemp("draws-mixtral"))
+    with cpu_kernel_fallbacks():
+        ms.set_seed(0)
+        mt.MixtralForCausalLM(_mixtral()).save_pretrained(root)
+    return root
+
+
+def test_init_pass_replays_copied_cells_only_when_exact(mixtral_checkpoint, monkeypatch):
+    """Experts copied by sibling-clone (the suite builds from the first cell)
+    get their init-pass call replayed once three real calls agreed; not the
+    calls that also draw from Python's random. The model, numpy's and
+    Python's random state are the unpatched ones either way."""
+    replayed = []
+    for python_random in (False, True):
+        if python_random:
+            base = mt.MixtralPreTrainedModel
+            monkeypatch.setattr(base, "_init_weights", _drawing_python_random_too(base._init_weights))
+        ms.set_seed(3)
+        random.seed(3)
+        ref, acc = load_both(lambda: mt.MixtralForCausalLM.from_pretrained(mixtral_checkpoint))  # the generators too
+        assert_same_model(ref, acc)
+        assert last_report().cells_copied > 0
+        replayed.append(last_report().init_calls_replayed)
+    # w1 and w3 of every copied expert draw from Python's random in the second: called, not replayed
+    assert replayed[0] > replayed[1] > 0

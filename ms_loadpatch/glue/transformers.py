@@ -176,16 +176,17 @@ def init_weights(wrapped, instance, args, kwargs):
         refresh_parameter_names(instance)
         return None
     if _modeling_utils()._init_weights:
-        with ctx.report.phase("init-pass"), init_pass.filling_on_touch() as filled:
-            _init_pass(instance, ctx.ledger, filled)
-        ctx.report.filled_in_init_pass += filled.count
+        with ctx.report.phase("init-pass"), init_pass.filling_on_touch() as counts:
+            _init_pass(instance, ctx.ledger, counts)
+        ctx.report.filled_in_init_pass += counts.filled
+        ctx.report.init_calls_replayed += counts.replayed
     refresh_parameter_names(instance)
     if instance is ctx.construction_root:
         ctx.close_construction()
     return None
 
 
-def _init_pass(owner, ledger, filled):
+def _init_pass(owner, ledger, counts):
     """owner.apply(owner._initialize_weights) over its lazily built cells:
     mindone's `_initialize_weights` (`_init_weights` unless the cell is
     flagged, then the flag, its `hasattr` answered by cellpasses; calls on
@@ -197,7 +198,7 @@ def _init_pass(owner, ledger, filled):
     flag_of, set_plain = cellpasses.flag_lookups()
     init_pass.run(owner, owner._init_weights, is_done=lambda cell: flag_of(cell, "_is_hf_initialized"),
                   mark_done=lambda cell: set_plain(cell, "_is_hf_initialized", True), ledger=ledger,
-                  copied_from=building.copied_from, filled=filled)
+                  copied_from=building.copied_from, counts=counts)
 
 
 # mindone 0.5's PreTrainedModel.tie_weights, which tie_weights below repeats: the names its code uses

@@ -14,14 +14,15 @@ plain build holds it, then runs as written: exact, slower only there
 Cells sibling-clone copied from one recipe are alike: once real calls on
 three of them did the same and only that (each of the cell's own lazy
 parameters given a new initializer of the same shape and dtype, the draws
-taken in order and nothing else drawn, no data touched, the cell's
-attributes unchanged), the call on the others is replayed (`_Replays`): the
+taken in order and nothing else drawn from numpy or Python's `random`, no
+data touched, the cell's attributes unchanged), the call on the others is replayed (`_Replays`): the
 same initializers and draws, without the call.
 """
 
 from __future__ import annotations
 
 import contextlib
+import random
 import threading
 
 import numpy as np
@@ -61,14 +62,14 @@ def cells_in_apply_order(root):
             stack += [(child, False) for child in reversed(unique)]
 
 
-def run(root, initialize, is_done=None, mark_done=None, ledger=None, copied_from=None, filled=None) -> None:
+def run(root, initialize, is_done=None, mark_done=None, ledger=None, copied_from=None, counts=None) -> None:
     """`root.apply(f)`'s calls, without its per-cell recursion, where `f` is
     mindone's `_initialize_weights`: `initialize(cell)` then `mark_done(cell)`
     unless `is_done(cell)` (without them: `initialize(cell)` alone). With a
     `ledger`, `copied_from(cell)` (the sibling-clone recipe of a copied cell)
-    and the pass's `filled` count, calls on cells copied from one recipe are
-    replayed once three real ones agreed."""
-    replays = _Replays(ledger, filled) if ledger is not None and copied_from is not None else None
+    and the pass's `counts` (filling_on_touch's), calls on cells copied from
+    one recipe are replayed once three real ones agreed."""
+    replays = _Replays(ledger, counts) if ledger is not None and copied_from is not None else None
 
     def one(cell):
         if is_done is not None and is_done(cell):
@@ -96,8 +97,8 @@ class _Replays:
 
     AGREEING_CALLS = 3  # real calls with one effect before it is replayed
 
-    def __init__(self, ledger, filled):
-        self.ledger, self.filled = ledger, filled
+    def __init__(self, ledger, counts):
+        self.ledger, self.counts = ledger, counts
         self.entries: dict[int, list] = {}  # id(recipe) -> [effect, real calls agreeing (-1: never), recipe]
 
     def call(self, cell, source, initialize) -> None:
@@ -105,6 +106,7 @@ class _Replays:
         if entry is None:
             entry = self.entries[id(source)] = [None, 0, source]
         if entry[1] >= self.AGREEING_CALLS and self._replay(cell, entry[0]):
+            self.counts.replayed += 1
             return
         if entry[1] < 0 or entry[1] >= self.AGREEING_CALLS:
             initialize(cell)
@@ -126,15 +128,16 @@ class _Replays:
         own = {id(p): attr for attr, p in params.items()}
         before = {attr: p.init_mode for attr, p in params.items()}
         attributes = [(k, id(v)) for k, v in vars(cell).items() if k != _FLAG]
-        random_state = np.random.get_state()
-        counts = (self.filled.count, ledger.run_in_full)
+        random_state, python_state = np.random.get_state(), random.getstate()
+        before_counts = (self.counts.filled, ledger.run_in_full)
         ledger.assignments = []
         try:
             initialize(cell)
         finally:
             assignments, ledger.assignments = ledger.assignments, None
-        if counts != (self.filled.count, ledger.run_in_full) or not all(p.has_init for p in params.values()) \
-                or attributes != [(k, id(v)) for k, v in vars(cell).items() if k != _FLAG]:
+        if before_counts != (self.counts.filled, ledger.run_in_full) or not all(p.has_init for p in params.values()) \
+                or attributes != [(k, id(v)) for k, v in vars(cell).items() if k != _FLAG] \
+                or python_state != random.getstate():
             return None
         effect, replayed = [], np.random.RandomState()
         replayed.set_state(random_state)
@@ -186,27 +189,28 @@ def _same_state(generator, state) -> bool:
     return mine[0] == state[0] and np.array_equal(mine[1], state[1]) and mine[2:] == state[2:]
 
 
-class Filled:
+class PassCounts:
     def __init__(self):
-        self.count = 0  # lazy parameters whose data the pass touched
+        self.filled = 0  # lazy parameters whose data the pass touched
+        self.replayed = 0  # calls replayed on cells copied from one recipe
 
 
 @contextlib.contextmanager
 def filling_on_touch():
     """While held, in this thread: reading a lazy Parameter's `data`,
     indexing into it, or calling an in-place method on it fills it first
-    (Parameter.init_data; under a ledger, with its own seed). Yields the count."""
+    (Parameter.init_data; under a ledger, with its own seed). Yields the pass's PassCounts."""
     import mindspore as ms
 
     builder = threading.get_ident()
     cls = ms.Parameter
     patched = {}
-    filled = Filled()
+    counts = PassCounts()
 
     def fill(param):
         if threading.get_ident() == builder and param.has_init:
             param.init_data()
-            filled.count += 1
+            counts.filled += 1
 
     data = next((vars(k)["data"] for k in cls.__mro__ if "data" in vars(k)), None)
     if data is not None:
@@ -219,7 +223,7 @@ def filling_on_touch():
     try:
         for name, value in patched.items():
             setattr(cls, name, value)
-        yield filled
+        yield counts
     finally:
         for name in patched:
             if name in originals:
