@@ -409,15 +409,16 @@ def leftover_state(before_threads, before_states):
     import wrapt
 
     from ms_loadpatch import core
-    from ms_loadpatch.strategy import building, construct, context
+    from ms_loadpatch.strategy import building, context
+    from ms_loadpatch.strategy.building.lazy import CONSTRUCTION_LOCK
 
     found, notes = [], []
     found += [f"building.leftovers(): {item}" for item in building.leftovers()]
-    if construct.CONSTRUCTION_LOCK.acquire(blocking=False):
-        construct.CONSTRUCTION_LOCK.release()
+    if CONSTRUCTION_LOCK.acquire(blocking=False):
+        CONSTRUCTION_LOCK.release()
         free = []  # also from another thread: the lock is re-entrant for its owner
-        probe = threading.Thread(target=lambda: free.append(construct.CONSTRUCTION_LOCK.acquire(blocking=False)
-                                                            and (construct.CONSTRUCTION_LOCK.release() or True)),
+        probe = threading.Thread(target=lambda: free.append(CONSTRUCTION_LOCK.acquire(blocking=False)
+                                                            and (CONSTRUCTION_LOCK.release() or True)),
                                  name="stress-lock-probe")
         probe.start()
         probe.join(10)

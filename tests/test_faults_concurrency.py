@@ -24,7 +24,8 @@ import mindone.transformers.modeling_utils as tf_utils
 import ms_loadpatch
 from ms_loadpatch.glue import diffusers as glue_df
 from ms_loadpatch.glue import transformers as glue_tf
-from ms_loadpatch.strategy import construct, context, prefetch, reader
+from ms_loadpatch.strategy import context, prefetch, reader
+from ms_loadpatch.strategy.building.lazy import CONSTRUCTION_LOCK
 from ms_loadpatch.testing import assert_same_model, compare, cpu_kernel_fallbacks, load_both, snapshot
 from test_bad_input import assert_state_restored, process_state, raised
 
@@ -176,7 +177,7 @@ def test_state_check_detects_leaks():
     before = process_state()
     for leak, undo in [
         (lambda: setattr(ms.Parameter, "init_param", False), lambda: setattr(ms.Parameter, "init_param", True)),
-        (construct.CONSTRUCTION_LOCK.acquire, construct.CONSTRUCTION_LOCK.release),
+        (CONSTRUCTION_LOCK.acquire, CONSTRUCTION_LOCK.release),
         (lambda: os.environ.__setitem__("MS_LOADPATCH_LEAK", "1"), lambda: os.environ.pop("MS_LOADPATCH_LEAK")),
         (lambda: setattr(context._local, "context", object()), lambda: delattr(context._local, "context")),
     ]:
@@ -286,7 +287,7 @@ def test_report_reads_its_build_under_the_construction_lock(models, monkeypatch,
     real = context.LoadReport.note_construction
 
     def note(report):
-        seen.append((construct.CONSTRUCTION_LOCK._is_owned(), window.window_open(), window.state.engaged_at))
+        seen.append((CONSTRUCTION_LOCK._is_owned(), window.window_open(), window.state.engaged_at))
         real(report)
 
     monkeypatch.setattr(context.LoadReport, "note_construction", note)
