@@ -21,7 +21,7 @@ from ms_loadpatch.strategy import building
 from ms_loadpatch.strategy.building import draws, init_pass
 from ms_loadpatch.strategy.building.lazy import lazy_parameters
 from ms_loadpatch.strategy.context import last_report
-from ms_loadpatch.testing import assert_same_model, load_both
+from ms_loadpatch.testing import assert_same_model, cpu_kernel_fallbacks, load_both
 
 pytestmark = pytest.mark.usefixtures("cpu_kernels", "plugin_enabled")
 
@@ -153,15 +153,19 @@ class _OwnInitQwen2(mt.Qwen2ForCausalLM):
                                                         module.embedding_table.dtype))
 
 
+def _saved(tmp_path_factory, name, build):
+    """The directory where `build()`'s model, built from seed 0, was saved."""
+    root = str(tmp_path_factory.mktemp(name))
+    with cpu_kernel_fallbacks():
+        ms.set_seed(0)
+        build().save_pretrained(root)
+    return root
+
+
 @pytest.fixture(scope="module")
 def lacking_checkpoint(tmp_path_factory):
     """A tiny Qwen2 checkpoint without some weights of several kinds."""
-    from ms_loadpatch.testing import cpu_kernel_fallbacks
-
-    root = str(tmp_path_factory.mktemp("draws"))
-    with cpu_kernel_fallbacks():
-        ms.set_seed(0)
-        mt.Qwen2ForCausalLM(tiny_qwen2_config()).save_pretrained(root)
+    root = _saved(tmp_path_factory, "draws", lambda: mt.Qwen2ForCausalLM(tiny_qwen2_config()))
     path = os.path.join(root, "model.safetensors")
     tensors = load_file(path)
     for key in ("model.layers.0.self_attn.q_proj.weight", "model.layers.0.self_attn.q_proj.bias",
@@ -221,13 +225,7 @@ def _drawing_python_random_too(init_weights):
 
 @pytest.fixture(scope="module")
 def mixtral_checkpoint(tmp_path_factory):
-    from ms_loadpatch.testing import cpu_kernel_fallbacks
-
-    root = str(tmp_path_factory.mktemp("draws-mixtral"))
-    with cpu_kernel_fallbacks():
-        ms.set_seed(0)
-        mt.MixtralForCausalLM(_mixtral()).save_pretrained(root)
-    return root
+    return _saved(tmp_path_factory, "draws-mixtral", lambda: mt.MixtralForCausalLM(_mixtral()))
 
 
 def test_init_pass_replays_copied_cells_only_when_exact(mixtral_checkpoint, monkeypatch):
