@@ -165,8 +165,8 @@ from ms_loadpatch.tools._child import _max_rss_bytes, _reset_peak_rss, prime_mem
 from ms_loadpatch.strategy import context
 from ms_loadpatch.testing import cpu_kernel_fallbacks
 reports = []
-emit = context._emit
-context._emit = lambda report: (reports.append(report.as_dict()), emit(report))
+emit = context.emit
+context.emit = lambda report: (reports.append(report.as_dict()), emit(report))
 path, dtype, prime = sys.argv[1], getattr(ms, sys.argv[2]), int(sys.argv[3])
 with cpu_kernel_fallbacks():
     prime_memory(prime)

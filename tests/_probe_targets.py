@@ -14,6 +14,10 @@ MINDONE_MODULES = [
     "mindone.diffusers.models.modeling_utils",
     "mindone.diffusers.loaders.lora_base",
     "mindone.diffusers.loaders.single_file_utils",
+    "mindone.diffusers.models.controlnets.controlnet",
+    "mindone.diffusers.models.controlnets.controlnet_sparsectrl",
+    "mindone.diffusers.models.controlnets.controlnet_flux",
+    "mindone.diffusers.models.unets.unet_motion_model",
 ]
 
 

@@ -123,13 +123,13 @@ def ckpts(tmp_path_factory):
 def _reports(monkeypatch):
     """Every load report emitted from now on (nested loads included)."""
     seen = []
-    emit = context._emit
+    emit = context.emit
 
     def spy(report):
         seen.append(report)
         emit(report)
 
-    monkeypatch.setattr(context, "_emit", spy)
+    monkeypatch.setattr(context, "emit", spy)
     return seen
 
 

@@ -239,12 +239,12 @@ def test_report_env_var_prints_without_configuring_root_logging():
         report = context.LoadReport("Demo", "transformers")
         report.phases = {"construct": 0.5}
         report.technique = "demo technique"
-        context._emit(report)                      # variable unset: DEBUG, not shown
+        context.emit(report)                      # variable unset: DEBUG, not shown
         os.environ["MS_LOADPATCH_REPORT"] = "1"
-        context._emit(report)                      # shown through our own handler
+        context.emit(report)                      # shown through our own handler
         assert logging.getLogger().handlers == [], "root logger configured"
         logging.basicConfig(format="app: %(name)s %(message)s")  # the app takes over: shown once, its way
-        context._emit(report)
+        context.emit(report)
         """
     )
     proc = run_python(code)

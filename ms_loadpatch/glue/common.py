@@ -4,6 +4,8 @@ and the wrappers of the dtype-changing methods they share."""
 
 from __future__ import annotations
 
+import contextlib
+import json
 import logging
 import os
 
@@ -57,7 +59,7 @@ def accelerated_load(wrapped, args, kwargs, report, dtype, checkpoint_files, fin
     its load context current and gc paused, `checkpoint_files()` read ahead,
     cast while reading to `dtype` (the dtype asked for, or None) where the
     cast is exact; `finish(ctx, result)` then does the library's last part."""
-    with context.activate(report) as ctx, collection_paused() as report.gc_paused:
+    with index_named_in_errors(), context.activate(report) as ctx, collection_paused() as report.gc_paused:
         plan = CastPlan.for_dtype(dtype)
         if plan is not None:
             report.technique += f", cast to {plan.target} while reading"
@@ -66,6 +68,23 @@ def accelerated_load(wrapped, args, kwargs, report, dtype, checkpoint_files, fin
         result = wrapped(*args, **kwargs)
         finish(ctx, result)
     return result
+
+
+@contextlib.contextmanager
+def index_named_in_errors():
+    """A JSONDecodeError escaping the block names the shard index it was
+    parsing: both libraries read it with json.loads into a local
+    `index_filename`, and their error says only where in the text it broke."""
+    try:
+        yield
+    except json.JSONDecodeError as exc:
+        tb, index = exc.__traceback__, None
+        while tb is not None:
+            index = tb.tb_frame.f_locals.get("index_filename", index)
+            tb = tb.tb_next
+        if not isinstance(index, (str, os.PathLike)) or os.fspath(index) in exc.msg:
+            raise
+        raise json.JSONDecodeError(f"{exc.msg} in the shard index {os.fspath(index)}", exc.doc, exc.pos) from exc
 
 
 def checkpoint_files(args, kwargs, add_variant, lookup) -> CheckpointFiles:

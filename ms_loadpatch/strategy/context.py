@@ -158,7 +158,8 @@ def _make_visible() -> None:
             logger.addHandler(_stderr_handler)
 
 
-def _emit(report: LoadReport) -> None:
+def emit(report: LoadReport) -> None:
+    """Make `report` the last one (and log it): at the end of every accelerated load."""
     _last_reports[:] = [report]
     if report_requested():
         _make_visible()
@@ -242,4 +243,4 @@ def activate(report: LoadReport):
             finally:
                 _local.context = outer
                 report.total = time.perf_counter() - start
-    _emit(report)
+    emit(report)

@@ -306,9 +306,10 @@ def parse_header(path, file_size: int, head: bytes) -> SafetensorsHeader:
     return SafetensorsHeader(path, header_len, entries, metadata)
 
 
-class SafetensorsFileError(_FileProblem, SafetensorError):
+class SafetensorsFileError(CheckpointError, SafetensorError):
     """The safetensors library's error for a file (the type mindone's own
-    check raises), naming the file and saying what is wrong in plain words."""
+    check raises), naming the file and saying what is wrong in plain words;
+    a CheckpointError too, so one except clause catches every bad file."""
 
 
 def named_safetensors_error(path, original: Exception) -> SafetensorsFileError | None:

@@ -9,7 +9,7 @@ from . import draws, fast_construction, named_parameters
 from .lazy import lazy_parameters
 
 __all__ = ["lazy_construction", "refresh_parameter_names", "walk_cells", "state_index",
-           "as_load_state_dict_leaves_it", "initialize_unloaded"]
+           "as_load_state_dict_leaves_it", "initialize_unloaded", "built_with_draws"]
 
 
 @contextlib.contextmanager
@@ -117,3 +117,33 @@ def initialize_unloaded(root, ledger) -> int:
     if ledger is not None:
         ledger.forget()
     return filled
+
+
+def built_with_draws(call, when_built=None):
+    """`call()` (returning a model) for a call that builds with every
+    initializer run and then fills some parameters itself (set_data from
+    another model, an initializer such as zeros): built lazily, each parameter
+    taking its draws when made; what the call filled left as a plain build
+    leaves it; every parameter still lazy then filled as the plain build
+    fills it (initialize_unloaded). Returns (model, parameters filled here)."""
+    ledger = draws.Ledger()
+    try:
+        with lazy_construction(when_built=when_built, ledger=ledger):
+            model = call()
+    except BaseException:
+        ledger.forget()
+        raise
+    for param in model.get_parameters():
+        settle_filled(param)
+    return model, initialize_unloaded(model, ledger)
+
+
+def settle_filled(param) -> None:
+    """A lazy parameter the call filled with set_data, left as a plain build
+    leaves it: mindspore keeps the initializer in `init_mode` (copies rebuild
+    from it), and load_param_into_net, reading `init_param` False inside the
+    lazy window, wrote True into the parameter's own `__dict__`."""
+    if param.__dict__.get("init_param") is True:
+        del param.__dict__["init_param"]
+    if not param.has_init and getattr(param, "init_mode", None) is not None:
+        param.init_mode = None

@@ -1,0 +1,91 @@
+"""Models built from another model: `ControlNetModel.from_unet`,
+`SparseControlNetModel.from_unet` and `UNetMotionModel.from_unet2d`, unpatched
+vs patched, each call in a fresh process.
+
+The source is a UNet2DConditionModel of Stable Diffusion 1.5's layout at 0.6x
+its width (block_out_channels 192-384-768-768, about 1.2 GB in fp32),
+generated once into the cache and loaded with from_pretrained before the
+timed part. The timed part is the call and a read of every page of the
+result; with --memory primed (default) memory is faulted in and freed first.
+
+    python benchmarks/bench_derived.py                          # every case, 3 runs each
+    python benchmarks/bench_derived.py --cases controlnet --repeats 5 --memory as-is
+
+Targets: from_unet at least 5x, from_unet2d at least 2x faster patched.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+
+from ms_loadpatch.tools import bench
+
+UNET = {"block_out_channels": [192, 384, 768, 768], "cross_attention_dim": 768, "attention_head_dim": 8,
+        "layers_per_block": 2, "sample_size": 64, "norm_num_groups": 32}
+
+CASES = {
+    "controlnet": "md.ControlNetModel.from_unet(unet)",
+    "sparse-controlnet": "md.SparseControlNetModel.from_unet(unet)",
+    "motion": "md.UNetMotionModel.from_unet2d(unet)",
+}
+
+_CHILD = r"""
+import json, sys, time
+import ms_loadpatch
+import mindone.diffusers as md
+from ms_loadpatch.testing import cpu_kernel_fallbacks
+from ms_loadpatch.tools._child import prime_memory, touch_all
+path, call, prime = sys.argv[1], sys.argv[2], int(sys.argv[3])
+with cpu_kernel_fallbacks():
+    unet = md.UNet2DConditionModel.from_pretrained(path)
+    prime_memory(prime)
+    start = time.perf_counter()
+    model = eval(call)
+    touch_all(model)
+    seconds = time.perf_counter() - start
+report = ms_loadpatch.last_report() if ms_loadpatch.is_enabled() else None
+print("RESULT " + json.dumps({"seconds": seconds, "parameters": len(list(model.get_parameters())),
+                              "technique": report.technique if report else None}))
+"""
+
+
+def measure(path, call, mode, prime):
+    proc = subprocess.run([sys.executable, "-c", _CHILD, path, call, str(prime)], env=bench.child_env(mode),
+                          capture_output=True, text=True)
+    for line in proc.stdout.splitlines():
+        if line.startswith("RESULT "):
+            return json.loads(line[len("RESULT "):])
+    raise bench.ChildError(f"{call} ({mode}) failed, exit {proc.returncode}", stderr=proc.stderr)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--cases", default=",".join(CASES), help=f"comma-separated, of {', '.join(CASES)}")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--memory", choices=bench.MEMORY_MODES, default="primed")
+    args = parser.parse_args(argv)
+    path = bench.cached_checkpoint("derived-unet", "UNet2DConditionModel", UNET, library="diffusers")
+    size = sum(os.path.getsize(os.path.join(path, f)) for f in os.listdir(path) if f.endswith(".safetensors"))
+    prime = 2 * size + (256 << 20) if args.memory == "primed" else 0
+    print(f"source UNet {size / 1e9:.2f} GB; memory {args.memory}; {args.repeats} runs per mode, alternating")
+    print(f"{'case':<20} {'unpatched s':>12} {'patched s':>10} {'ratio':>7}  runs (unpatched | patched)")
+    for case in args.cases.split(","):
+        runs = {"unpatched": [], "patched": []}
+        for _ in range(args.repeats):
+            for mode in runs:
+                runs[mode].append(measure(path, CASES[case], mode, prime))
+        medians = {mode: statistics.median(r["seconds"] for r in results) for mode, results in runs.items()}
+        assert runs["patched"][0]["technique"], f"{case}: the patched call was not accelerated"
+        shown = " | ".join(" ".join(f"{r['seconds']:.2f}" for r in runs[mode]) for mode in runs)
+        print(f"{case:<20} {medians['unpatched']:>12.3f} {medians['patched']:>10.3f} "
+              f"{medians['unpatched'] / medians['patched']:>6.1f}x  {shown}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,85 @@
+"""The fixed-seed slice of benchmarks/fuzz_loads.py: broken checkpoints
+loaded patched and unpatched in a fresh process (tiny Qwen2 single and
+sharded, tiny VAE, direct reads of 1 and 10,000 tensors). Every case must
+hold the property its docstring states; the long run is by hand:
+    python benchmarks/fuzz_loads.py --cases 20000 --seed 1
+
+Besides the slice, regression cases the campaign found, replayed directly.
+"""
+
+import json
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(REPO, "benchmarks"))
+
+
+def test_fuzz_slice():
+    env = dict(os.environ)
+    env.pop("MS_LOADPATCH", None)
+    proc = subprocess.run([sys.executable, "benchmarks/fuzz_loads.py", "--cases", "60", "--seed", "0"],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
+    detail = f"exit {proc.returncode}\nstdout:\n{proc.stdout[-6000:]}\nstderr:\n{proc.stderr[-3000:]}"
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("SUMMARY ")]
+    assert lines, detail
+    fields = dict(re.findall(r"(\w+)=(\S+)", lines[-1]))
+    assert proc.returncode == 0 and fields["failures"] == "0", detail
+    assert int(fields["cases"]) == 60, detail
+    # the slice meets both outcomes and the full loads, not only the cheap reads
+    assert int(fields["loaded"]) > 0 and int(fields["refused"]) > 0, detail
+    targets = dict(item.split(":") for item in fields["targets"].split(","))
+    assert {"tf-single", "tf-sharded", "df-single"} <= targets.keys(), detail
+
+
+def test_mutations_change_the_file():
+    """The harness breaks what it says: each header edit gives other bytes, the last entry's."""
+    import numpy as np
+    from safetensors.numpy import save
+
+    import fuzz_loads
+
+    blob = save({"a": np.zeros(4, np.float32), "b": np.ones(3, np.float16)}, metadata={"format": "pt"})
+    header, _ = fuzz_loads._split(blob)
+    assert fuzz_loads._last_entry(header) == max(("a", "b"), key=lambda k: header[k]["data_offsets"][0])
+    for kind in fuzz_loads.HEADER_KINDS + fuzz_loads.BYTE_KINDS:
+        assert fuzz_loads.mutate_file(blob, kind, 3, 5) != blob, kind
+    renamed, _ = fuzz_loads._split(fuzz_loads.mutate_file(blob, "rename", 0, 0))
+    assert fuzz_loads._last_entry(header) + "_renamed" in renamed
+
+
+@pytest.mark.usefixtures("cpu_kernels", "plugin_enabled")
+def test_broken_index_error_names_the_index(tmp_path):
+    """A shard index that is not JSON: mindone's JSONDecodeError says where
+    the text broke; the patched load's, the same type, names the index too."""
+    import mindone.transformers as mt
+    import ms_loadpatch
+    from _helpers import tiny_qwen2_config
+    from ms_loadpatch.testing import cpu_kernel_fallbacks
+
+    with ms_loadpatch.disabled(), cpu_kernel_fallbacks():
+        mt.Qwen2ForCausalLM(tiny_qwen2_config()).save_pretrained(tmp_path, max_shard_size="40KB")
+    index = tmp_path / "model.safetensors.index.json"
+    index.write_text(index.read_text()[:-3])
+    with ms_loadpatch.disabled(), pytest.raises(json.JSONDecodeError) as unpatched:
+        mt.Qwen2ForCausalLM.from_pretrained(str(tmp_path))
+    with pytest.raises(json.JSONDecodeError) as patched:
+        mt.Qwen2ForCausalLM.from_pretrained(str(tmp_path))
+    assert str(index) not in str(unpatched.value)
+    assert str(index) in str(patched.value) and patched.value.pos == unpatched.value.pos
+
+
+def test_safetensors_errors_are_checkpoint_errors():
+    """mindone's own check raises the library's SafetensorError; the patched
+    one raises that type and the plugin's CheckpointError in one."""
+    from safetensors import SafetensorError
+
+    from ms_loadpatch.strategy.safetensors_header import CheckpointError, SafetensorsFileError
+
+    error = SafetensorsFileError("/x/model.safetensors", "header is not valid JSON")
+    assert isinstance(error, SafetensorError) and isinstance(error, CheckpointError)
+    assert "/x/model.safetensors" in str(error)
