@@ -158,6 +158,35 @@ def _probe_fill(ms) -> str | None:
     return None
 
 
+def probe_adoption(ms) -> str | None:
+    """None when strategy.tensors.adopted_parameter gives a Parameter over the
+    array's own buffer whose state and values are those Parameter(array)
+    gives (Parameter(array) copies the buffer)."""
+    try:
+        import numpy as np
+
+        from .strategy.building.lazy import lazy_parameters
+        from .strategy.tensors import adopted_parameter
+
+        for array in (np.arange(6, dtype=np.float32).reshape(2, 3), np.arange(4, dtype=np.float16)):
+            real = ms.Parameter(array.copy(), name="probe")
+            with lazy_parameters():
+                fast = adopted_parameter(array, "probe")
+            if fast.data_ptr() != array.ctypes.data:
+                return "the Parameter does not hold the array's buffer"
+            if fast.has_init or not np.array_equal(fast.asnumpy(), array) or fast.dtype != real.dtype:
+                return "the Parameter does not hold the array's values"
+            ours, theirs = ({k: str(v) for k, v in vars(p).items() if k != "_param_info"} for p in (fast, real))
+            if ours != theirs:
+                return f"its attributes differ from Parameter(array)'s: {sorted(ours.items() ^ theirs.items())}"
+            for attribute in ("name", "requires_grad", "sliced", "init", "init_flag", "layerwise_parallel"):
+                if getattr(fast, attribute) != getattr(real, attribute):
+                    return f"its {attribute} differs from Parameter(array)'s"
+    except Exception as exc:  # an internal it relies on changed
+        return f"{type(exc).__name__}: {exc}"
+    return None
+
+
 def _probe_draws() -> str | None:
     """None when lazy parameters that take their draws when made
     (strategy/building/draws.py) leave numpy's global state and, filled, the

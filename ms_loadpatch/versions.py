@@ -257,6 +257,13 @@ class Techniques:
     library_problems: tuple[tuple[str, str], ...] = ()
     # optional mindspore features (FEATURES) present in this mindspore
     features: dict = dataclasses.field(default_factory=dict)
+    # why a checkpoint array cannot become a Parameter over its own buffer here (None: it can)
+    adoption_problem: str | None = None
+
+    @property
+    def draws_problem(self) -> str | None:
+        """Why lazy parameters cannot take their random draws when made, or None."""
+        return "; ".join(p for _, p in self.library_problems if "random draws" in p) or None
 
     @property
     def refusal(self) -> str | None:
@@ -277,12 +284,17 @@ class Techniques:
         ]
         for row in rows:
             row.update(state=SKIPPED if everywhere else ACTIVE, reason=everywhere)
-        own = "; ".join(p for name, p in self.library_problems if name == "transformers" and "random draws" in p)
-        rows.append({"name": "random-draws", "libraries": ["transformers"],
+        own = self.draws_problem
+        rows.append({"name": "random-draws", "libraries": list(LIBRARIES),
                      "description": "a lazily built parameter takes, when made, the numpy draws of the initializer "
                                     "the unpatched build runs; one the checkpoint lacks is filled with them "
                                     "(probed against plain builds)",
                      "state": SKIPPED if own or everywhere else ACTIVE, "reason": own or everywhere})
+        rows.append({"name": "adopted-parameters", "libraries": ["diffusers"],
+                     "description": "a single-file checkpoint read inside from_single_file becomes Parameters over "
+                                    "the read buffer, not copies (probed against Parameter(array))",
+                     "state": SKIPPED if self.adoption_problem or everywhere else ACTIVE,
+                     "reason": self.adoption_problem or everywhere})
         if self.features.get("cell_to"):
             own = "; ".join(p for name, p in self.library_problems if name == "transformers" and "Cell.to" in p)
             rows.append({"name": "cell-to-keeping-lazy", "libraries": ["transformers"],
@@ -310,6 +322,7 @@ def techniques() -> Techniques:
 
     with randomstate.kept():  # the probes fill parameters from random initializers
         problems, library_problems, features = api_probes.probe(ms)
+        adoption_problem = api_probes.probe_adoption(ms) if not problems else None
     result = Techniques(
         mindspore=str(getattr(ms, "__version__", installed_version("mindspore"))),
         assign="Parameter.set_data (transformers: then its lazy initializer dropped, as Parameter.init_data does)",
@@ -319,6 +332,7 @@ def techniques() -> Techniques:
         problems=problems,
         library_problems=library_problems,
         features=features,
+        adoption_problem=adoption_problem,
     )
     if result.refusal:
         logger.warning("ms_loadpatch: targets are skipped: %s", result.refusal)

@@ -18,6 +18,7 @@ MINDONE_MODULES = [
     "mindone.diffusers.models.controlnets.controlnet_sparsectrl",
     "mindone.diffusers.models.controlnets.controlnet_flux",
     "mindone.diffusers.models.unets.unet_motion_model",
+    "mindone.diffusers.loaders.single_file_model",
 ]
 
 

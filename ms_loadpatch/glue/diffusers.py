@@ -33,11 +33,12 @@ import sys
 import mindspore as ms
 import wrapt
 
-from . import common
+from . import build_then_fill, common
 from .calls import argument, inside_load, with_argument
 from ..strategy import context
 from ..strategy.assign import assign_in_final_dtype, cast_parameters, parameter_index
 from ..strategy.building.construction import lazy_construction
+from ..strategy.tensors import adopted_parameter
 from ..strategy.building.lazy import CONSTRUCTION_LOCK
 from ..strategy.safetensors_header import CheckpointError, file_named_in_errors
 
@@ -144,7 +145,8 @@ def load_state_dict(wrapped, instance, args, kwargs):
         with file_named_in_errors(checkpoint_file, reason=refused):
             return wrapped(*args, **kwargs)
     if ctx is None:
-        return {name: ms.Parameter(array, name=name) for name, array in arrays.items()}
+        make = adopted_parameter if build_then_fill.adopting_checkpoint() else ms.Parameter
+        return {name: make(array, name=name) for name, array in arrays.items()}
     return common.tensors_of(ctx, arrays, cast_at_read)
 
 

@@ -11,6 +11,21 @@ def to_tensor(array: np.ndarray) -> ms.Tensor:
     return ms.Tensor.from_numpy(array)
 
 
+def adopted_parameter(array: np.ndarray, name: str) -> ms.Parameter:
+    """A Parameter over `array`'s own buffer, in the state Parameter(array)
+    leaves (which copies the buffer): made lazy, then given the buffer by
+    set_data, which aliases it. Call inside a lazy window of this thread
+    (building.lazy.lazy_parameters); api_probes.probe_adoption checks it."""
+    from mindspore.common.initializer import Zero
+
+    tensor = to_tensor(array)
+    param = ms.Parameter(ms.Tensor(shape=tensor.shape, dtype=tensor.dtype, init=Zero()), name=name)
+    param.set_data(tensor)
+    param.init_mode = None  # what Parameter(array) has: no initializer, built from data
+    param.is_default_input_init = False
+    return param
+
+
 def cast(tensor: ms.Tensor, dtype) -> ms.Tensor:
     """Cast with mindspore's own cast kernel, the one mindone's `set_dtype`
     uses, so values are bit-identical to the unpatched load. In place on the

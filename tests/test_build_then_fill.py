@@ -1,4 +1,4 @@
-"""Models built from another model (glue/derived.py): ControlNetModel and
+"""Models built from another model (glue/build_then_fill.py): ControlNetModel and
 SparseControlNetModel `from_unet`, FluxControlNetModel `from_transformer`,
 UNetMotionModel `from_unet2d`. Patched and
 unpatched calls in one process, from the same random state (load_both): the
@@ -10,7 +10,7 @@ import mindspore as ms
 import numpy as np
 import pytest
 
-from _helpers import tiny_unet
+from _helpers import tiny_unet, tiny_vae
 import mindone.diffusers as md
 import ms_loadpatch
 from ms_loadpatch.testing import assert_same_model, load_both
@@ -128,3 +128,107 @@ def test_float16_source_runs_plainly():
     assert context.last_report() is before  # no accelerated call happened
     assert_same_model(reference, accelerated)
     assert accelerated.dtype == ms.float16
+
+
+# -- from_single_file: a diffusers-format file, and an original-format (LDM) one that goes through key conversion
+
+
+def _ldm_vae_key(key: str, up_blocks: int) -> str:
+    """The original (LDM) name of a diffusers AutoencoderKL key: the inverse
+    of mindone's convert_ldm_vae_checkpoint, for tests."""
+    import re
+
+    for old, new in (("conv_norm_out", "norm_out"), ("mid_block.resnets.0", "mid.block_1"),
+                     ("mid_block.resnets.1", "mid.block_2"), ("mid_block.attentions.0", "mid.attn_1"),
+                     ("conv_shortcut", "nin_shortcut"), ("group_norm", "norm"), ("to_q", "q"), ("to_k", "k"),
+                     ("to_v", "v"), ("to_out.0", "proj_out"), ("downsamplers.0", "downsample"),
+                     ("upsamplers.0", "upsample")):
+        key = key.replace(old, new)
+    key = re.sub(r"down_blocks\.(\d+)\.resnets", r"down.\1.block", key)
+    key = re.sub(r"down_blocks\.(\d+)\.downsample", r"down.\1.downsample", key)
+    key = re.sub(r"up_blocks\.(\d+)\.(resnets|upsample)",
+                 lambda m: f"up.{up_blocks - 1 - int(m.group(1))}.{'block' if m.group(2) == 'resnets' else 'upsample'}",
+                 key)
+    return key
+
+
+@pytest.fixture(scope="module")
+def single_files(tmp_path_factory):
+    """Diffusers-format single files of the tiny UNet and VAE (with their
+    configs), and the VAE's weights in the original (LDM) layout."""
+    from safetensors.numpy import save_file
+
+    from ms_loadpatch.testing import cpu_kernel_fallbacks
+
+    root = tmp_path_factory.mktemp("single-file")
+    with ms_loadpatch.disabled(), cpu_kernel_fallbacks():
+        md.UNet2DConditionModel(**tiny_unet()).save_pretrained(root / "unet")
+        vae = md.AutoencoderKL(**tiny_vae())
+        vae.save_pretrained(root / "vae")
+    up_blocks = len(tiny_vae()["up_block_types"])
+    ldm = {}
+    for name, param in vae.parameters_and_names():
+        value = param.asnumpy()
+        if ".attentions." in name and name.endswith("weight") and value.ndim == 2:
+            value = value[:, :, None, None]  # LDM attention projections are 1x1 convolutions
+        ldm[_ldm_vae_key(name, up_blocks)] = value
+    save_file(ldm, str(root / "vae-ldm.safetensors"))
+    return root, vae
+
+
+SINGLE_FILE_CASES = {
+    "unet": (md.UNet2DConditionModel, "unet/diffusion_pytorch_model.safetensors", "unet", {}),
+    "unet-fp16": (md.UNet2DConditionModel, "unet/diffusion_pytorch_model.safetensors", "unet",
+                  {"mindspore_dtype": ms.float16}),
+    "vae": (md.AutoencoderKL, "vae/diffusion_pytorch_model.safetensors", "vae", {}),
+    "vae-ldm": (md.AutoencoderKL, "vae-ldm.safetensors", "vae", {}),
+}
+
+
+@pytest.mark.parametrize("case", SINGLE_FILE_CASES)
+def test_single_file_same_model_as_unpatched(single_files, case):
+    root, _ = single_files
+    cls, file, config, kwargs = SINGLE_FILE_CASES[case]
+    reference, accelerated = load_both(lambda: cls.from_single_file(str(root / file), config=str(root / config),
+                                                                    **kwargs))
+    assert_same_model(reference, accelerated)
+    report = ms_loadpatch.last_report()
+    assert report.model_class == cls.__name__ and report.technique.startswith("from_single_file")
+    assert not accelerated.training and not reference.training
+
+
+def test_ldm_file_converts_to_the_saved_vae(single_files):
+    """The original-format file really is the VAE: unpatched conversion gives its values back."""
+    root, vae = single_files
+    with ms_loadpatch.disabled():
+        loaded = md.AutoencoderKL.from_single_file(str(root / "vae-ldm.safetensors"), config=str(root / "vae"))
+    expected = {name: p.asnumpy() for name, p in vae.parameters_and_names()}
+    got = {name: p.asnumpy() for name, p in loaded.parameters_and_names()}
+    assert expected.keys() == got.keys()
+    for name in expected:
+        np.testing.assert_array_equal(got[name], expected[name], err_msg=name)
+
+
+def test_single_file_reads_into_the_model(single_files, monkeypatch):
+    """The patched read gives mindone Parameters over the read buffer; the
+    model's parameters alias them, so no checkpoint copy is made."""
+    from ms_loadpatch import versions
+    from ms_loadpatch.glue import diffusers as glue
+
+    root, _ = single_files
+    assert versions.techniques().adoption_problem is None
+    adopted = {}
+
+    def spy(array, name):
+        adopted[name] = glue_adopt(array, name)
+        return adopted[name]
+
+    glue_adopt = glue.adopted_parameter
+    monkeypatch.setattr(glue, "adopted_parameter", spy)
+    model = md.AutoencoderKL.from_single_file(str(root / "vae/diffusion_pytorch_model.safetensors"),
+                                              config=str(root / "vae"))
+    params = dict(model.parameters_and_names())
+    assert adopted.keys() == params.keys()
+    assert all(params[name].data_ptr() == adopted[name].data_ptr() for name in params)
+    buffers = {p.data_ptr() for p in adopted.values()}
+    assert len(buffers) == len(adopted)  # views into one read buffer, not one shared pointer

@@ -1,17 +1,20 @@
-"""Models built from another model: `ControlNetModel.from_unet`,
-`SparseControlNetModel.from_unet` and `UNetMotionModel.from_unet2d`, unpatched
-vs patched, each call in a fresh process.
+"""Calls that build a model and then fill it: `ControlNetModel.from_unet`,
+`SparseControlNetModel.from_unet`, `UNetMotionModel.from_unet2d` and
+`UNet2DConditionModel.from_single_file`, unpatched vs patched, each call in a
+fresh process; `from-pretrained` is the same weights' from_pretrained, the
+yardstick of the single-file load.
 
-The source is a UNet2DConditionModel of Stable Diffusion 1.5's layout at 0.6x
-its width (block_out_channels 192-384-768-768, about 1.2 GB in fp32),
-generated once into the cache and loaded with from_pretrained before the
-timed part. The timed part is the call and a read of every page of the
-result; with --memory primed (default) memory is faulted in and freed first.
+The UNet is Stable Diffusion 1.5's layout at 0.6x its width
+(block_out_channels 192-384-768-768, 1.26 GB in fp32), generated once into
+the cache; the from_unet cases load it with from_pretrained before the timed
+part. The timed part is the call and a read of every page of the result;
+with --memory primed (default) memory is faulted in and freed first.
 
-    python benchmarks/bench_derived.py                          # every case, 3 runs each
-    python benchmarks/bench_derived.py --cases controlnet --repeats 5 --memory as-is
+    python benchmarks/bench_build_then_fill.py                          # every case, 3 runs each
+    python benchmarks/bench_build_then_fill.py --cases controlnet --repeats 5 --memory as-is
 
-Targets: from_unet at least 5x, from_unet2d at least 2x faster patched.
+Targets: from_unet at least 5x, from_unet2d at least 2x faster patched;
+single-file at least 2.5x, and within 1.25x of the patched from_pretrained.
 """
 
 from __future__ import annotations
@@ -32,6 +35,9 @@ CASES = {
     "controlnet": "md.ControlNetModel.from_unet(unet)",
     "sparse-controlnet": "md.SparseControlNetModel.from_unet(unet)",
     "motion": "md.UNetMotionModel.from_unet2d(unet)",
+    "single-file": "md.UNet2DConditionModel.from_single_file(path + '/diffusion_pytorch_model.safetensors', "
+                   "config=path)",
+    "from-pretrained": "md.UNet2DConditionModel.from_pretrained(path)",
 }
 
 _CHILD = r"""
@@ -42,7 +48,7 @@ from ms_loadpatch.testing import cpu_kernel_fallbacks
 from ms_loadpatch.tools._child import prime_memory, touch_all
 path, call, prime = sys.argv[1], sys.argv[2], int(sys.argv[3])
 with cpu_kernel_fallbacks():
-    unet = md.UNet2DConditionModel.from_pretrained(path)
+    unet = md.UNet2DConditionModel.from_pretrained(path) if "unet)" in call else None
     prime_memory(prime)
     start = time.perf_counter()
     model = eval(call)
@@ -69,21 +75,25 @@ def main(argv=None) -> int:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--memory", choices=bench.MEMORY_MODES, default="primed")
     args = parser.parse_args(argv)
-    path = bench.cached_checkpoint("derived-unet", "UNet2DConditionModel", UNET, library="diffusers")
+    path = bench.cached_checkpoint("sd-unet-0.6x", "UNet2DConditionModel", UNET, library="diffusers")
     size = sum(os.path.getsize(os.path.join(path, f)) for f in os.listdir(path) if f.endswith(".safetensors"))
     prime = 2 * size + (256 << 20) if args.memory == "primed" else 0
     print(f"source UNet {size / 1e9:.2f} GB; memory {args.memory}; {args.repeats} runs per mode, alternating")
     print(f"{'case':<20} {'unpatched s':>12} {'patched s':>10} {'ratio':>7}  runs (unpatched | patched)")
+    patched = {}
     for case in args.cases.split(","):
         runs = {"unpatched": [], "patched": []}
         for _ in range(args.repeats):
             for mode in runs:
                 runs[mode].append(measure(path, CASES[case], mode, prime))
         medians = {mode: statistics.median(r["seconds"] for r in results) for mode, results in runs.items()}
+        patched[case] = medians["patched"]
         assert runs["patched"][0]["technique"], f"{case}: the patched call was not accelerated"
         shown = " | ".join(" ".join(f"{r['seconds']:.2f}" for r in runs[mode]) for mode in runs)
         print(f"{case:<20} {medians['unpatched']:>12.3f} {medians['patched']:>10.3f} "
               f"{medians['unpatched'] / medians['patched']:>6.1f}x  {shown}", flush=True)
+    if {"single-file", "from-pretrained"} <= patched.keys():
+        print(f"single-file / from_pretrained, both patched: {patched['single-file'] / patched['from-pretrained']:.2f}")
     return 0
 
 

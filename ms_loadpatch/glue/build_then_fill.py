@@ -1,0 +1,94 @@
+"""mindone.diffusers' calls that build a model with every initializer run
+and then fill it: from another model (`ControlNetModel.from_unet`,
+`SparseControlNetModel.from_unet`, `FluxControlNetModel.from_transformer`,
+`UNetMotionModel.from_unet2d`) or from one checkpoint file
+(`FromOriginalModelMixin.from_single_file`, for every model class it serves).
+
+Each builds with `cls(...)` or `cls.from_config(...)`, then copies weights
+with `ms.load_param_into_net` (the copies alias the source's tensors, or the
+checkpoint's Parameters) and zeroes some blocks with
+`set_data(initializer("zeros", ...))`. Accelerated, the call runs as it is
+inside a lazy build whose parameters take their random draws when made
+(construction.built_with_draws): copies, casts (`set_dtype`) and zeros land
+on lazy parameters, and only what stays lazy is filled, as the plain build
+fills it (in its creation dtype, then cast, as mindspore's init_data does).
+The same model, aliasing and global random state; no random fill of what is
+overwritten.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+import mindspore as ms
+
+from .. import core, versions
+from ..strategy import context
+from ..strategy.building.construction import built_with_draws
+from ..strategy.building.lazy import CONSTRUCTION_LOCK
+from .calls import argument
+
+logger = logging.getLogger("ms_loadpatch")
+
+_TECHNIQUE = "lazy construction with each parameter's draws taken when made, then mindone's own copies"
+_inside = threading.local()
+
+
+def from_unet(wrapped, instance, args, kwargs):
+    return _built_from(wrapped, instance, args, kwargs, "unet")
+
+
+def from_transformer(wrapped, instance, args, kwargs):
+    return _built_from(wrapped, instance, args, kwargs, "transformer")
+
+
+def from_unet2d(wrapped, instance, args, kwargs):
+    return _built_from(wrapped, instance, args, kwargs, "unet")
+
+
+def from_single_file(wrapped, instance, args, kwargs):
+    return _built_from(wrapped, instance, args, kwargs, None)
+
+
+def adopting_checkpoint() -> bool:
+    """Whether a checkpoint read in this thread now may become Parameters over
+    the read buffer (strategy.tensors.adopted_parameter): inside an
+    accelerated from_single_file, whose lazy window is open, on a mindspore
+    where the adoption probe passed. mindone copies each into the model's
+    parameters by set_data, which aliases it: the read buffer is the model's."""
+    return getattr(_inside, "call", None) == "from_single_file" and versions.techniques().adoption_problem is None
+
+
+def _fallback_reason(source) -> str | None:
+    # the plain call casts its fp32 build to the source's dtype with the values in place; the lazy one would
+    # fill in that dtype, which rounds once instead of twice
+    dtype = getattr(source, "dtype", None)
+    if dtype is not None and dtype != ms.float32:
+        return f"the source model is {dtype}: the plain build's random values are cast from float32"
+    return None
+
+
+def _built_from(wrapped, instance, args, kwargs, source_name):
+    if getattr(_inside, "call", None):  # a constructor called by another (the outer one builds lazily)
+        return wrapped(*args, **kwargs)
+    with core.accelerated_load() as allowed:
+        reason = "ms_loadpatch is being disabled" if not allowed else versions.techniques().draws_problem
+        if reason is None and source_name is not None:
+            reason = _fallback_reason(argument(wrapped, args, kwargs, source_name))
+        if reason is not None:
+            logger.debug("ms_loadpatch: %s.%s unpatched: %s", instance.__name__, wrapped.__name__, reason)
+            with CONSTRUCTION_LOCK:
+                return wrapped(*args, **kwargs)
+        report = context.LoadReport(instance.__name__, "diffusers")
+        report.technique = f"{wrapped.__name__}: {_TECHNIQUE}"
+        _inside.call = wrapped.__name__
+        try:
+            with report.phase("build and fill"):
+                model, report.missing_initialised = built_with_draws(lambda: wrapped(*args, **kwargs),
+                                                                     when_built=report.note_construction)
+        finally:
+            _inside.call = None
+        report.total = report.phases["build and fill"]
+        context.emit(report)
+        return model
