@@ -231,6 +231,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("path", metavar="PATH", nargs="?", help="checkpoint directory (default: a built-in one, "
                        "generated once into $MS_LOADPATCH_CACHE or ~/.cache/ms_loadpatch)")
     _add_load_options(bench, dtypes)
+    bench.add_argument("--single-file", metavar="FILE", help="load FILE (in the model's directory) with "
+                       "from_single_file instead of from_pretrained (mindone.diffusers models)")
     bench.add_argument("--json", metavar="FILE", help="also write the results as JSON")
     # 1 by default: each load is a fresh process paying ~7 s of imports, and
     # the no-argument bench must stay well under a minute on 2 cores

@@ -118,6 +118,30 @@ def test_bench_usage_errors(tmp_path, capsys):
     assert cli.main(["bench", str(tmp_path / "missing")]) == 2
     assert cli.main(["bench", "--class", "Qwen2ForCausalLM"]) == 2
     assert "need a PATH" in capsys.readouterr().err
+    assert cli.main(["bench", "--single-file", "model.safetensors"]) == 2
+    assert "need a PATH" in capsys.readouterr().err
+
+
+def test_bench_single_file(tmp_path, tiny_checkpoint, capsys):
+    """--single-file times a diffusers model's from_single_file; refused for a transformers checkpoint."""
+    from _helpers import tiny_vae
+
+    import mindone.diffusers as md
+    import ms_loadpatch
+
+    with ms_loadpatch.disabled():
+        md.AutoencoderKL(**tiny_vae()).save_pretrained(tmp_path / "vae")
+    out = tmp_path / "bench.json"
+    proc = cli_proc("bench", str(tmp_path / "vae"), "--single-file", "diffusion_pytorch_model.safetensors",
+                    "--json", str(out))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert re.search(r"from_single_file +[\d.]+ s +[\d.]+ s", proc.stdout), proc.stdout
+    results = json.loads(out.read_text())
+    assert results["checkpoint"]["single_file"] == "diffusion_pytorch_model.safetensors"
+    assert results["patched"]["report"]["technique"].startswith("from_single_file")
+    assert results["unpatched"]["median_run"]["report"] is None
+    assert cli.main(["bench", tiny_checkpoint, "--single-file", "model.safetensors"]) == 2
+    assert "loads a mindone.diffusers model" in capsys.readouterr().err
 
 
 # -- verify

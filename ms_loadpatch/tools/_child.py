@@ -147,7 +147,7 @@ def _task_load(task: dict) -> dict:
 
     cls, library = import_model_class(spec)
     kwargs = {}
-    if spec.subfolder:
+    if spec.subfolder and not spec.single_file:
         kwargs["subfolder"] = spec.subfolder
     if spec.dtype:
         kwargs["dtype" if library == "transformers" else "mindspore_dtype"] = getattr(ms, spec.dtype)
@@ -162,7 +162,11 @@ def _task_load(task: dict) -> dict:
         _reset_peak_rss()  # peak RSS from here on: the load's, over the RSS it starts from
         rss_before = _max_rss_bytes()
         start = time.perf_counter()
-        model = cls.from_pretrained(spec.path, **kwargs)
+        if spec.single_file:  # mindone.diffusers' from_single_file, its config from the model's directory
+            model = cls.from_single_file(os.path.join(spec.model_dir, spec.single_file), config=spec.model_dir,
+                                         **kwargs)
+        else:
+            model = cls.from_pretrained(spec.path, **kwargs)
         touch_all(model)
         seconds = time.perf_counter() - start
     peak = _max_rss_bytes()

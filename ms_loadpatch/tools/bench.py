@@ -91,13 +91,14 @@ class LoadSpec:
     library: str
     subfolder: str = ""
     dtype: str | None = None
+    single_file: str = ""  # a diffusers model's file in model_dir, loaded with from_single_file
 
     @property
     def model_dir(self) -> str:
         return os.path.join(self.path, self.subfolder) if self.subfolder else self.path
 
     @classmethod
-    def resolve(cls, path, class_name=None, subfolder=None, dtype=None) -> "LoadSpec":
+    def resolve(cls, path, class_name=None, subfolder=None, dtype=None, single_file=None) -> "LoadSpec":
         """Check the path and infer the class from config.json (no mindspore import).
         Raises UsageError with a message for the user."""
         path = os.path.abspath(os.fspath(path))
@@ -128,10 +129,18 @@ class LoadSpec:
         if not name:
             key = "_class_name" if library == "diffusers" else "architectures"
             raise UsageError(f"{config_path} names no model class ({key!r} is missing); pass --class")
-        return cls(path=path, class_name=name, library=library, subfolder=subfolder, dtype=dtype)
+        if single_file:
+            if library != "diffusers":
+                raise UsageError(f"--single-file loads a mindone.diffusers model; {config_path} is a {library} one")
+            if not os.path.isfile(os.path.join(model_dir, single_file)):
+                raise UsageError(f"{os.path.join(model_dir, single_file)}: no such file")
+        return cls(path=path, class_name=name, library=library, subfolder=subfolder, dtype=dtype,
+                   single_file=single_file or "")
 
     def weight_files(self) -> list[str]:
-        """The safetensors files from_pretrained reads (index first, else every file)."""
+        """The safetensors files the load reads (the single file; else the index's, else every file)."""
+        if self.single_file:
+            return [os.path.join(self.model_dir, self.single_file)]
         try:
             names = sorted(os.listdir(self.model_dir))
         except OSError:
@@ -305,7 +314,7 @@ if mode == "patched":
     import ms_loadpatch
 import mindspore
 imported_mindspore = time.time()
-import importlib, json
+import importlib, json, os
 task = json.load(open(task_file))
 spec = task["spec"]
 module_name, _, class_name = spec["class_name"].rpartition(":")
@@ -313,14 +322,18 @@ cls = getattr(importlib.import_module(module_name or "mindone." + (spec["library
 imported_mindone = time.time()
 sys.path.append(task["package_parent"])
 from ms_loadpatch.tools import _child
-kwargs = {"subfolder": spec["subfolder"]} if spec["subfolder"] else {}
+kwargs = {"subfolder": spec["subfolder"]} if spec["subfolder"] and not spec["single_file"] else {}
 if spec["dtype"]:
     library = "diffusers" if ".diffusers" in cls.__module__ else "transformers"
     kwargs["dtype" if library == "transformers" else "mindspore_dtype"] = getattr(mindspore, spec["dtype"])
 with _child._fallbacks(_child._on_cpu()):
     _child.prime_memory(task["prime_bytes"])
     load_start = time.time()
-    model = cls.from_pretrained(spec["path"], **kwargs)
+    if spec["single_file"]:
+        model_dir = os.path.join(spec["path"], spec["subfolder"])
+        model = cls.from_single_file(os.path.join(model_dir, spec["single_file"]), config=model_dir, **kwargs)
+    else:
+        model = cls.from_pretrained(spec["path"], **kwargs)
     _child.touch_all(model)
     loaded = time.time()
 lazy = sys.modules.get("ms_loadpatch.lazy_import")
@@ -476,7 +489,8 @@ def run_bench(spec: LoadSpec, repeats: int = 3, floors: bool = True, progress: P
     patched_median = sides["patched"]["median_seconds"]
     return {
         "checkpoint": {
-            "path": spec.path, "subfolder": spec.subfolder, "class_name": first["class_name"],
+            "path": spec.path, "subfolder": spec.subfolder, "single_file": spec.single_file,
+            "class_name": first["class_name"],
             "library": first["library"], "dtype": spec.dtype, "files": len(spec.weight_files()),
             "bytes": spec.checkpoint_bytes(), "tensors": first["tensors"],
         },
@@ -515,6 +529,8 @@ def format_table(results: dict, title: str | None = None) -> str:
     report = pat.get("report") or {}
     lines = []
     where = ckpt["path"] + (f" (subfolder {ckpt['subfolder']})" if ckpt["subfolder"] else "")
+    if ckpt.get("single_file"):
+        where += f", from_single_file of {ckpt['single_file']}"
     lines.append(title or f"ms-loadpatch bench: {ckpt['class_name']} (mindone.{ckpt['library']})")
     lines.append(f"  checkpoint  {where}")
     lines.append(f"              {_mb(ckpt['bytes'])} in {ckpt['files']} file(s), {ckpt['tensors']} tensors, "
@@ -523,8 +539,9 @@ def format_table(results: dict, title: str | None = None) -> str:
     fallback = FALLBACK_NOTE if results["cpu_kernel_fallbacks"] else ""
     lines.append(f"  device      {results['device']}{fallback}")
     lines.append(f"  versions    {versions}")
+    call = "from_single_file" if ckpt.get("single_file") else "from_pretrained"
     lines.append(f"  method      each load in a fresh process, median of {results['repeats']}; timed: "
-                 "from_pretrained + touching every weight")
+                 f"{call} + touching every weight")
     memory = results.get("memory", "as-is")
     lines.append(f"  memory      {memory}" + (": each process faults in and frees memory before every timed part, "
                                               "so first-touch costs of the VM do not count" if memory == "primed" else
@@ -535,7 +552,7 @@ def format_table(results: dict, title: str | None = None) -> str:
     ratio_text = ""
     if ratio:
         ratio_text = f"   {ratio:.1f}x faster" if ratio >= 1 else f"   {1 / ratio:.1f}x slower"
-    lines.append(f"  {'from_pretrained':24}{_s(unp['median_seconds']):>12}{_s(pat['median_seconds']):>12}{ratio_text}")
+    lines.append(f"  {call:24}{_s(unp['median_seconds']):>12}{_s(pat['median_seconds']):>12}{ratio_text}")
     lines.append(f"  {'peak RSS':24}{_mb(max(unp['peak_rss_bytes'])):>12}{_mb(max(pat['peak_rss_bytes'])):>12}")
     lines.append(f"  {'  of which before load':24}{_mb(min(unp['rss_before_bytes'])):>12}"
                  f"{_mb(min(pat['rss_before_bytes'])):>12}   (interpreter + imports)")
@@ -550,7 +567,7 @@ def format_table(results: dict, title: str | None = None) -> str:
         rows = (("interpreter start", "interpreter_seconds", "   patched: with the .pth hook, if installed"),
                 ("import mindspore", "import_mindspore_seconds", "   patched: after `import ms_loadpatch`"),
                 ("import the model class", "import_mindone_seconds", f"   from mindone (patched: {lazy})"),
-                ("from_pretrained + touch", "load_seconds", ""))
+                (f"{call} + touch", "load_seconds", ""))
         for label, key, note in rows:
             lines.append(f"    {label:22}{_s(ttm['unpatched'][key]):>12}{_s(ttm['patched'][key]):>12}{note}")
         ratio = ttm["ratio"]
@@ -606,11 +623,12 @@ def main(args) -> int:
     progress = Progress()
     try:
         if args.path:
-            spec = LoadSpec.resolve(args.path, args.class_name, args.subfolder, args.dtype)
+            spec = LoadSpec.resolve(args.path, args.class_name, args.subfolder, args.dtype,
+                                    getattr(args, "single_file", None))
             title = None
         else:
-            if args.class_name or args.subfolder:
-                raise UsageError("--class and --subfolder need a PATH")
+            if args.class_name or args.subfolder or getattr(args, "single_file", None):
+                raise UsageError("--class, --subfolder and --single-file need a PATH")
             path = builtin_checkpoint(args.size, progress=progress)
             spec = LoadSpec.resolve(path, dtype=args.dtype)
             title = f"ms-loadpatch bench: built-in {args.size} checkpoint, {spec.class_name} (mindone.{spec.library})"
