@@ -391,12 +391,13 @@ def run_case(targets, scratch, target, mutations):
 # -- the campaign
 
 
-def campaign(targets, scratch, cases, seed, timeout, log):
+def campaign(targets, scratch, cases, seed, timeout, log, counts):
+    """Run `cases` cases; `counts` (a Counter) gets cases, outcomes, targets and failures."""
     from hypothesis import HealthCheck, Phase, given, settings
     from hypothesis import seed as hypothesis_seed
     from hypothesis import strategies as st
 
-    counts, seconds = collections.Counter(), collections.Counter()
+    seconds = collections.Counter()
     file_mutation = st.tuples(st.sampled_from(HEADER_KINDS + BYTE_KINDS), st.integers(0, 1 << 20),
                               st.integers(0, 1 << 16))
     index_mutation = st.tuples(st.sampled_from(INDEX_KINDS), st.integers(0, 1 << 10), st.just(0))
@@ -423,11 +424,13 @@ def campaign(targets, scratch, cases, seed, timeout, log):
         counts[f"target:{target}"] += 1
         if counts["cases"] % 500 == 0:
             log(f"{counts['cases']} cases, {counts['refused']} refused")
-        assert not problems, f"{target} {mutations}:\n  " + "\n  ".join(problems)
+        if problems:  # reported and counted; the campaign goes on, to find every kind of failure in one run
+            counts["failures"] += 1
+            print(f"FAILURE {target} {mutations}:\n  " + "\n  ".join(problems), flush=True)
 
     case()
     log("seconds per case: " + ", ".join(f"{t}: {seconds[t] / counts[f'target:{t}']:.3f}" for t in sorted(seconds)))
-    return counts
+
 
 
 def main(argv=None):
@@ -441,7 +444,7 @@ def main(argv=None):
     from ms_loadpatch.testing import cpu_kernel_fallbacks
 
     started = time.monotonic()
-    counts, failure = collections.Counter(), None
+    counts, harness_error = collections.Counter(), None
     with tempfile.TemporaryDirectory(prefix="ms-loadpatch-fuzz-") as scratch, cpu_kernel_fallbacks():
         import mindone.diffusers.utils.logging as df_logging
         import transformers.utils.logging as tf_logging
@@ -451,16 +454,16 @@ def main(argv=None):
             logging_module.disable_progress_bar()
         targets = prepare(os.path.join(scratch, "checkpoints"))
         try:
-            counts = campaign(targets, scratch, args.cases, args.seed, args.timeout,
-                              lambda line: print(line, file=sys.stderr, flush=True))
-        except Exception as exc:  # noqa: BLE001 - a property failure, or the harness's own bug: both end the run
-            failure = exc
-            print(f"FAILURE {type(exc).__name__}: {exc}", flush=True)
+            campaign(targets, scratch, args.cases, args.seed, args.timeout,
+                     lambda line: print(line, file=sys.stderr, flush=True), counts)
+        except Exception as exc:  # noqa: BLE001 - the harness's own bug ends the run
+            harness_error = exc
+            print(f"HARNESS ERROR {type(exc).__name__}: {exc}", flush=True)
     by_target = ",".join(f"{k.split(':', 1)[1]}:{n}" for k, n in sorted(counts.items()) if k.startswith("target:"))
     print(f"SUMMARY cases={counts['cases']} loaded={counts['loaded']} refused={counts['refused']} "
-          f"failures={int(failure is not None)} targets={by_target or 'none'} "
+          f"failures={counts['failures']} targets={by_target or 'none'} "
           f"seconds={time.monotonic() - started:.1f}", flush=True)
-    return 1 if failure is not None else 0
+    return 1 if harness_error is not None or counts["failures"] else 0
 
 
 if __name__ == "__main__":

@@ -83,3 +83,28 @@ def test_safetensors_errors_are_checkpoint_errors():
     error = SafetensorsFileError("/x/model.safetensors", "header is not valid JSON")
     assert isinstance(error, SafetensorError) and isinstance(error, CheckpointError)
     assert "/x/model.safetensors" in str(error)
+
+
+@pytest.mark.usefixtures("cpu_kernels", "plugin_enabled")
+def test_unknown_metadata_format_error_names_the_file(tmp_path):
+    """A single file whose metadata format mindone does not know: its
+    ValueError says only the format; the patched one, the same type and
+    text, names the file too."""
+    import numpy as np
+    from safetensors.numpy import load_file, save_file
+
+    import mindone.transformers as mt
+    import ms_loadpatch
+    from _helpers import tiny_qwen2_config
+
+    with ms_loadpatch.disabled():
+        mt.Qwen2ForCausalLM(tiny_qwen2_config()).save_pretrained(tmp_path)
+    path = tmp_path / "model.safetensors"
+    save_file({k: np.ascontiguousarray(v) for k, v in load_file(str(path)).items()}, str(path),
+              metadata={"format": "xx"})
+    with ms_loadpatch.disabled(), pytest.raises(ValueError) as unpatched:
+        mt.Qwen2ForCausalLM.from_pretrained(str(tmp_path))
+    with pytest.raises(ValueError) as patched:
+        mt.Qwen2ForCausalLM.from_pretrained(str(tmp_path))
+    assert str(path) not in str(unpatched.value)
+    assert str(patched.value).startswith(str(unpatched.value)) and str(path) in str(patched.value)

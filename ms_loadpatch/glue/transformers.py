@@ -23,7 +23,7 @@ from ..strategy import building, cellpasses, context
 from ..strategy.assign import assign, cast_parameters, cell_to_keeping_lazy, check_and_pair
 from ..strategy.building import draws, init_pass, window
 from ..strategy.building.construction import initialize_unloaded, lazy_construction, refresh_parameter_names, state_index
-from ..strategy.safetensors_header import file_named_in_errors, safe_open_error_naming_file
+from ..strategy.safetensors_header import exception_naming_file, file_named_in_errors, safe_open_error_naming_file
 from ..strategy.tensors import to_tensor
 
 logger = logging.getLogger("ms_loadpatch")
@@ -62,9 +62,12 @@ def _accelerated_from_pretrained(wrapped, instance, args, kwargs):
         return common.accelerated_load(wrapped, args, kwargs, report, requested,
                                        lambda: _local_checkpoint_files(args, kwargs), _refuse_if_not_loaded)
     except Exception as exc:
-        # mindone checks a single-file checkpoint with safetensors' safe_open, whose errors do not name it
+        # mindone checks a single-file checkpoint with safetensors' safe_open and its metadata, in errors
+        # that do not name it
         path = _resolved_archive_file(exc, wrapped)
         better = safe_open_error_naming_file(exc, path) if path is not None else None
+        if better is None and path is not None and isinstance(exc, ValueError) and "safetensors file" in str(exc):
+            better = exception_naming_file(exc, path)  # its metadata check: "Incompatible safetensors file..."
         if better is None:
             raise
         raise better from exc

@@ -93,7 +93,8 @@ class Prefetcher:
                 self._slots.release()
                 return
             try:
-                threads = background_read_threads() if self._caller_busy else None
+                # a single file is all the load waits for: its read gets every thread from the start
+                threads = background_read_threads() if self._caller_busy and len(self._paths) > 1 else None
                 pending.value = read_file(path, self._cast_plan, threads, self._stop, staging)
             except BaseException as exc:  # noqa: BLE001 - raised in the caller by take()
                 pending.error = exc
