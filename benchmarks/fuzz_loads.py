@@ -382,7 +382,8 @@ def run_case(targets, scratch, target, mutations):
             problems.append(f"the patched error names none of {broken}: {type(patched_error).__name__}: "
                             f"{patched_error}")
         named = [path for path in broken if path in str(patched_error)]
-        if any(os.path.exists(path) and _library_refuses(path) for path in named) and not any(isinstance(e, CheckpointError) for e in _chain(patched_error)):
+        refused = any(os.path.exists(path) and _library_refuses(path) for path in named)
+        if refused and not any(isinstance(e, CheckpointError) for e in _chain(patched_error)):
             problems.append(f"no CheckpointError among the causes of {type(patched_error).__name__}: "
                             f"{patched_error}")
     return ("loaded" if unpatched_error is None else "refused"), problems

@@ -21,6 +21,7 @@ _DF_LOADING = "mindone.diffusers.models.model_loading_utils"
 _TF_GLUE = "ms_loadpatch.glue.transformers"
 _DF_GLUE = "ms_loadpatch.glue.diffusers"
 _GLUE = "ms_loadpatch.glue.common"  # wrappers both libraries share
+_BUILD_THEN_FILL = "ms_loadpatch.glue.build_then_fill:built_then_filled"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,18 +89,18 @@ TARGETS: tuple[Target, ...] = (
     # construction outside from_pretrained waits for any lazy-construction window
     Target("mindone.diffusers.configuration_utils", "ConfigMixin.from_config", f"{_GLUE}:from_config",
            public=True),
-    # models built from another model (glue/build_then_fill.py); ControlNetUnionModel.from_unet and the SD3, QwenImage
-    # and HunyuanDiT from_transformer stay plain: their models call kernels the CPU wheel lacks (Outer,
-    # InplaceNormal) while being built, so no identity test can run here
-    *(Target(f"mindone.diffusers.models.{module}", f"{cls}.{method}", f"ms_loadpatch.glue.build_then_fill:{method}",
-             public=True) for module, cls, method in (
+    # calls that build with every initializer run, then fill (glue/build_then_fill.py). ControlNetUnionModel's
+    # from_unet and the SD3, QwenImage and HunyuanDiT from_transformer stay plain: their models call kernels
+    # the CPU wheel lacks (Outer, InplaceNormal) while being built, so no identity test can run here
+    *(Target(f"mindone.diffusers.models.{module}", f"{cls}.{method}", _BUILD_THEN_FILL, public=True)
+      for module, cls, method in (
         ("controlnets.controlnet", "ControlNetModel", "from_unet"),
         ("controlnets.controlnet_sparsectrl", "SparseControlNetModel", "from_unet"),
         ("controlnets.controlnet_flux", "FluxControlNetModel", "from_transformer"),
         ("unets.unet_motion_model", "UNetMotionModel", "from_unet2d"),
     )),
     Target("mindone.diffusers.loaders.single_file_model", "FromOriginalModelMixin.from_single_file",
-           "ms_loadpatch.glue.build_then_fill:from_single_file", public=True),
+           _BUILD_THEN_FILL, public=True),
     # internals of its loading path, active only inside an accelerated from_pretrained
     Target(_DF, "no_init_parameters", f"{_DF_GLUE}:no_init_parameters"),
     Target(_DF, "ModelMixin._load_pretrained_model", f"{_DF_GLUE}:load_pretrained_model"),

@@ -21,34 +21,15 @@ from __future__ import annotations
 import logging
 import threading
 
-import mindspore as ms
-
 from .. import core, versions
 from ..strategy import context
 from ..strategy.building.construction import built_with_draws
 from ..strategy.building.lazy import CONSTRUCTION_LOCK
-from .calls import argument
 
 logger = logging.getLogger("ms_loadpatch")
 
 _TECHNIQUE = "lazy construction with each parameter's draws taken when made, then mindone's own copies"
 _inside = threading.local()
-
-
-def from_unet(wrapped, instance, args, kwargs):
-    return _built_from(wrapped, instance, args, kwargs, "unet")
-
-
-def from_transformer(wrapped, instance, args, kwargs):
-    return _built_from(wrapped, instance, args, kwargs, "transformer")
-
-
-def from_unet2d(wrapped, instance, args, kwargs):
-    return _built_from(wrapped, instance, args, kwargs, "unet")
-
-
-def from_single_file(wrapped, instance, args, kwargs):
-    return _built_from(wrapped, instance, args, kwargs, None)
 
 
 def adopting_checkpoint() -> bool:
@@ -60,22 +41,12 @@ def adopting_checkpoint() -> bool:
     return getattr(_inside, "call", None) == "from_single_file" and versions.techniques().adoption_problem is None
 
 
-def _fallback_reason(source) -> str | None:
-    # the plain call casts its fp32 build to the source's dtype with the values in place; the lazy one would
-    # fill in that dtype, which rounds once instead of twice
-    dtype = getattr(source, "dtype", None)
-    if dtype is not None and dtype != ms.float32:
-        return f"the source model is {dtype}: the plain build's random values are cast from float32"
-    return None
-
-
-def _built_from(wrapped, instance, args, kwargs, source_name):
+def built_then_filled(wrapped, instance, args, kwargs):
+    """The wrapper of every such call (targets.py): the call as it is, on a lazy build with its draws."""
     if getattr(_inside, "call", None):  # a constructor called by another (the outer one builds lazily)
         return wrapped(*args, **kwargs)
     with core.accelerated_load() as allowed:
         reason = "ms_loadpatch is being disabled" if not allowed else versions.techniques().draws_problem
-        if reason is None and source_name is not None:
-            reason = _fallback_reason(argument(wrapped, args, kwargs, source_name))
         if reason is not None:
             logger.debug("ms_loadpatch: %s.%s unpatched: %s", instance.__name__, wrapped.__name__, reason)
             with CONSTRUCTION_LOCK:

@@ -38,9 +38,9 @@ from .calls import argument, inside_load, with_argument
 from ..strategy import context
 from ..strategy.assign import assign_in_final_dtype, cast_parameters, parameter_index
 from ..strategy.building.construction import lazy_construction
-from ..strategy.tensors import adopted_parameter
 from ..strategy.building.lazy import CONSTRUCTION_LOCK
 from ..strategy.safetensors_header import CheckpointError, file_named_in_errors
+from ..strategy.tensors import adopted_parameter
 
 logger = logging.getLogger("ms_loadpatch")
 _MODULE = "mindone.diffusers.models.modeling_utils"
