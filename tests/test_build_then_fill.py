@@ -1,10 +1,12 @@
-"""Models built from another model (glue/build_then_fill.py): ControlNetModel and
+"""Calls that build then fill (glue/build_then_fill.py): ControlNetModel and
 SparseControlNetModel `from_unet`, FluxControlNetModel `from_transformer`,
-UNetMotionModel `from_unet2d`. Patched and
-unpatched calls in one process, from the same random state (load_both): the
+UNetMotionModel `from_unet2d`, and `from_single_file` (diffusers-format and
+original-format files). Patched and unpatched calls in one process, from the same random state (load_both): the
 same model (names, shapes, dtypes, bits, parameter metadata, cell state),
 numpy's and Python's generators left alike, the copies aliasing the same
 source tensors; a call failing halfway leaves the process as it was."""
+
+from __future__ import annotations
 
 import mindspore as ms
 import numpy as np
@@ -38,9 +40,13 @@ def _wide_config():
     return dict(_unet_config(), block_out_channels=[32, 64], norm_num_groups=8, attention_head_dim=8)
 
 
-def _aliased(model, source) -> list:
-    """Names of `model`'s parameters sharing memory with `source`'s parameter of that name."""
+def _aliased(model, source) -> list | None:
+    """Names of `model`'s parameters sharing memory with `source`'s parameter
+    of that name; None where data_ptr() cannot tell (mindspore 2.7 gives 0
+    for a tensor with no device address)."""
     by_name = dict(source.parameters_and_names())
+    if not all(p.data_ptr() for p in by_name.values()):
+        return None
     return sorted(n for n, p in model.parameters_and_names() if n in by_name and p.data_ptr() == by_name[n].data_ptr())
 
 
@@ -60,7 +66,8 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("case", [pytest.param("controlnet", marks=pytest.mark.matrix),
+                                  *(case for case in CASES if case != "controlnet")])
 def test_same_model_as_unpatched(unets, case):
     which, build = CASES[case]
     unet = unets[which]
@@ -72,7 +79,8 @@ def test_same_model_as_unpatched(unets, case):
     assert report.missing_initialised > 0  # what the source lacks was filled here, not at creation
     shared = _aliased(reference, unet)
     assert _aliased(accelerated, unet) == shared
-    assert bool(shared) is (case != "controlnet-random")
+    if shared is not None:
+        assert bool(shared) is (case != "controlnet-random")
     # what the plain build leaves on every parameter, also where load_param_into_net wrote to a lazy one
     for (name, ref), (_, acc) in zip(reference.parameters_and_names(), accelerated.parameters_and_names()):
         assert ("init_param" in vars(acc)) == ("init_param" in vars(ref)), name
@@ -183,7 +191,8 @@ SINGLE_FILE_CASES = {
 }
 
 
-@pytest.mark.parametrize("case", SINGLE_FILE_CASES)
+@pytest.mark.parametrize("case", [pytest.param("vae-ldm", marks=pytest.mark.matrix),
+                                  *(case for case in SINGLE_FILE_CASES if case != "vae-ldm")])
 def test_single_file_same_model_as_unpatched(single_files, case):
     root, _ = single_files
     cls, file, config, kwargs = SINGLE_FILE_CASES[case]
@@ -229,4 +238,4 @@ def test_single_file_reads_into_the_model(single_files, monkeypatch):
     assert adopted.keys() == params.keys()
     assert all(params[name].data_ptr() == adopted[name].data_ptr() for name in params)
     buffers = {p.data_ptr() for p in adopted.values()}
-    assert len(buffers) == len(adopted)  # views into one read buffer, not one shared pointer
+    assert len(buffers) == len(adopted) and 0 not in buffers  # views into one read buffer, each its own place
