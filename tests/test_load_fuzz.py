@@ -108,3 +108,36 @@ def test_unknown_metadata_format_error_names_the_file(tmp_path):
         mt.Qwen2ForCausalLM.from_pretrained(str(tmp_path))
     assert str(path) not in str(unpatched.value)
     assert str(patched.value).startswith(str(unpatched.value)) and str(path) in str(patched.value)
+
+
+@pytest.mark.usefixtures("cpu_kernels", "plugin_enabled")
+def test_extra_trailing_ones_load_as_unpatched(tmp_path):
+    """A diffusers checkpoint tensor with extra trailing 1-dims: mindspore's
+    load_param_into_net takes it, and the parameter ends with the file's
+    shape; the patched load gives the same model. With another element count
+    both raise numpy's ValueError."""
+    import numpy as np
+    from safetensors.numpy import load_file, save_file
+
+    import mindone.diffusers as md
+    import ms_loadpatch
+    from _helpers import tiny_vae
+    from ms_loadpatch.testing import assert_same_model, load_both
+
+    with ms_loadpatch.disabled():
+        md.AutoencoderKL(**tiny_vae()).save_pretrained(tmp_path)
+    path = tmp_path / "diffusion_pytorch_model.safetensors"
+    tensors = load_file(str(path))
+    weight = tensors["quant_conv.weight"]
+    tensors["quant_conv.weight"] = weight.reshape(weight.shape + (1,))
+    save_file(tensors, str(path), metadata={"format": "pt"})
+    reference, accelerated = load_both(lambda: md.AutoencoderKL.from_pretrained(str(tmp_path)))
+    assert_same_model(reference, accelerated)
+    assert accelerated.quant_conv.weight.shape == weight.shape + (1,)
+    tensors["quant_conv.weight"] = np.ascontiguousarray(tensors["quant_conv.weight"][:4])
+    save_file(tensors, str(path), metadata={"format": "pt"})
+    with ms_loadpatch.disabled(), pytest.raises(ValueError) as unpatched:
+        md.AutoencoderKL.from_pretrained(str(tmp_path))
+    with pytest.raises(ValueError) as patched:
+        md.AutoencoderKL.from_pretrained(str(tmp_path))
+    assert str(patched.value).startswith(str(unpatched.value)) and str(path) in str(patched.value)

@@ -5,6 +5,8 @@ tensor's storage without a copy and clears its lazy state."""
 
 from __future__ import annotations
 
+import math
+
 import mindspore as ms
 from mindspore import ops
 
@@ -179,6 +181,21 @@ def parameter_index(model):
     return index
 
 
+def _taken_with_its_own_shape(shape, target) -> bool:
+    """Whether load_param_into_net takes a `shape` tensor for a `target`
+    parameter: more dimensions, the extra trailing ones all 1. mindspore's
+    _special_process_par sets the values reshaped, then _update_param goes on
+    to set_data the tensor as it is, so the parameter ends with the file's
+    shape. Raises numpy's ValueError where that reshape fails."""
+    shape, target = tuple(shape), tuple(target)
+    if len(shape) <= len(target) or any(d != 1 for d in shape[len(target):]):
+        return False
+    if math.prod(shape) != math.prod(target):
+        raise ValueError(f"cannot reshape array of size {math.prod(shape)} into shape "
+                         f"({','.join(map(str, target))})")  # numpy's words
+    return True
+
+
 def assign_in_final_dtype(index, state_dict, dtype, keep_in_fp32_modules, report, registry) -> None:
     """What mindone diffusers' _load_state_dict_into_model + load_param_into_net +
     model.to(dtype) leave in each parameter of `index` (parameter_index), with
@@ -190,7 +207,7 @@ def assign_in_final_dtype(index, state_dict, dtype, keep_in_fp32_modules, report
             continue
         param, construction_dtype = entry
         origin = registry.pop(value)
-        if value.shape != param.shape:
+        if value.shape != param.shape and not _taken_with_its_own_shape(value.shape, param.shape):
             raise RuntimeError(
                 f"For 'load_param_into_net', {key} in the argument 'net' should have the same shape "
                 f"as {key} in the argument 'parameter_dict'. But got its shape {param.shape} in"
