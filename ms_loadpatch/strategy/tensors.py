@@ -13,13 +13,15 @@ def to_tensor(array: np.ndarray) -> ms.Tensor:
 
 def adopted_parameter(array: np.ndarray, name: str) -> ms.Parameter:
     """A Parameter over `array`'s own buffer, in the state Parameter(array)
-    leaves (which copies the buffer): made lazy, then given the buffer by
-    set_data, which aliases it. Call inside a lazy window of this thread
-    (building.lazy.lazy_parameters); api_probes.probe_adoption checks it."""
+    leaves (which copies the buffer): made lazy (without a lock or any flag
+    other threads read), then given the buffer by set_data, which aliases
+    it. api_probes.probe_adoption checks it."""
     from mindspore.common.initializer import Zero
 
+    from .building.lazy import unshared_lazy_parameter
+
     tensor = to_tensor(array)
-    param = ms.Parameter(ms.Tensor(shape=tensor.shape, dtype=tensor.dtype, init=Zero()), name=name)
+    param = unshared_lazy_parameter(ms.Tensor(shape=tensor.shape, dtype=tensor.dtype, init=Zero()), name)
     param.set_data(tensor)
     param.init_mode = None  # what Parameter(array) has: no initializer, built from data
     param.is_default_input_init = False
