@@ -215,7 +215,7 @@ def mutate_file(blob: bytes, kind, a, b) -> bytes:
         return blob if at >= len(blob) else blob[:at] + bytes([blob[at] ^ (1 + b % 255)]) + blob[at + 1 :]
     if kind == "length-field":
         values = [header_end - 8 + (a % 17) - 8, 2**64 - 1, 2**63, 0, len(blob), 100_000_001]
-        return struct.pack("<Q", max(0, values[b % len(values)])) + blob[8:]
+        return struct.pack("<Q", min(2**64 - 1, max(0, values[b % len(values)]))) + blob[8:]
     if kind == "append":
         return blob + bytes([b % 256]) * (1 + a % 9)
     raise AssertionError(kind)
