@@ -141,3 +141,27 @@ def test_extra_trailing_ones_load_as_unpatched(tmp_path):
     with pytest.raises(ValueError) as patched:
         md.AutoencoderKL.from_pretrained(str(tmp_path))
     assert str(patched.value).startswith(str(unpatched.value)) and str(path) in str(patched.value)
+
+
+def test_mutation_chains_never_break_the_harness():
+    """Any chain of mutations gives bytes: a harness error would end a long run early."""
+    import numpy as np
+    from hypothesis import example, given, settings
+    from hypothesis import strategies as st
+    from safetensors.numpy import save
+
+    import fuzz_loads
+
+    blob = save({"a": np.zeros(4, np.float32), "b": np.ones((2, 3), np.float16)}, metadata={"format": "pt"})
+
+    @settings(max_examples=300, derandomize=True, database=None, deadline=None)
+    @given(st.lists(st.tuples(st.sampled_from(fuzz_loads.HEADER_KINDS + fuzz_loads.BYTE_KINDS),
+                              st.integers(0, 1 << 20), st.integers(0, 1 << 16)), min_size=1, max_size=5))
+    @example([("length-field", 0, 1), ("length-field", 16, 0)])  # a length of 2**64 - 1, then one past it
+    def chain(mutations):
+        mutated = blob
+        for kind, a, b in mutations:
+            mutated = fuzz_loads.mutate_file(mutated, kind, a, b)
+        assert isinstance(mutated, bytes)
+
+    chain()
