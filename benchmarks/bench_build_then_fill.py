@@ -20,12 +20,11 @@ single-file at least 2.5x, and within 1.25x of the patched from_pretrained.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
-import subprocess
 import sys
 
+from common import script_result
 from ms_loadpatch.tools import bench
 
 UNET = {"block_out_channels": [192, 384, 768, 768], "cross_attention_dim": 768, "attention_head_dim": 8,
@@ -61,12 +60,7 @@ print("RESULT " + json.dumps({"seconds": seconds, "parameters": len(list(model.g
 
 
 def measure(path, call, mode, prime):
-    proc = subprocess.run([sys.executable, "-c", _CHILD, path, call, str(prime)], env=bench.child_env(mode),
-                          capture_output=True, text=True)
-    for line in proc.stdout.splitlines():
-        if line.startswith("RESULT "):
-            return json.loads(line[len("RESULT "):])
-    raise bench.ChildError(f"{call} ({mode}) failed, exit {proc.returncode}", stderr=proc.stderr)
+    return script_result(_CHILD, (path, call, prime), mode, call)
 
 
 def main(argv=None) -> int:

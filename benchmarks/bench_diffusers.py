@@ -23,7 +23,7 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from ms_loadpatch.tools import bench  # noqa: E402
 
-from common import bench_main, bf16_copy, run_single  # noqa: E402
+from common import bench_main, bf16_copy, run_single, script_result  # noqa: E402
 
 # "full": UNet2DConditionModel 356M params (SD-like, narrower), Flux-style
 # 283M, pipeline = that UNet + an SD VAE (84M) + a CLIP-L-sized text encoder (123M).
@@ -184,12 +184,7 @@ print("RESULT " + json.dumps({"seconds": seconds, "peak_rss_bytes": _max_rss_byt
 
 
 def measure_pipeline(path, mode, prime, dtype="bfloat16"):
-    proc = subprocess.run([sys.executable, "-c", _PIPELINE_CHILD, path, dtype, str(prime)], env=bench.child_env(mode),
-                          capture_output=True, text=True)
-    for line in proc.stdout.splitlines():
-        if line.startswith("RESULT "):
-            return json.loads(line[len("RESULT "):])
-    raise bench.ChildError(f"pipeline load ({mode}) failed, exit {proc.returncode}", stderr=proc.stderr)
+    return script_result(_PIPELINE_CHILD, (path, dtype, prime), mode, "pipeline load")
 
 
 def bench_pipeline(path, repeats, progress, memory):

@@ -1,5 +1,6 @@
 """Pieces shared by the benchmark scripts: bf16 copies of generated
-checkpoints, and the one-line-per-case summary table."""
+checkpoints, a script run in a fresh process, and the one-line-per-case
+summary table."""
 
 from __future__ import annotations
 
@@ -7,9 +8,22 @@ import argparse
 import json
 import os
 import struct
+import subprocess
+import sys
 
 import numpy as np
 from ms_loadpatch.tools import bench
+
+
+def script_result(code: str, args, mode: str, what: str) -> dict:
+    """Run `code` in a fresh interpreter (`mode`: "patched" or "unpatched",
+    bench.child_env) with `args`; the JSON of its "RESULT " line."""
+    proc = subprocess.run([sys.executable, "-c", code, *map(str, args)], env=bench.child_env(mode),
+                          capture_output=True, text=True)
+    for line in proc.stdout.splitlines():
+        if line.startswith("RESULT "):
+            return json.loads(line[len("RESULT "):])
+    raise bench.ChildError(f"{what} ({mode}) failed, exit {proc.returncode}", stderr=proc.stderr)
 
 
 def to_bf16_file(src, dst):
