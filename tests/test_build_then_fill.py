@@ -239,3 +239,28 @@ def test_single_file_reads_into_the_model(single_files, monkeypatch):
     assert all(params[name].data_ptr() == adopted[name].data_ptr() for name in params)
     buffers = {p.data_ptr() for p in adopted.values()}
     assert len(buffers) == len(adopted) and 0 not in buffers  # views into one read buffer, each its own place
+
+
+def test_source_parameters_shared_into_the_model_are_left_as_they_are():
+    """A source model's cell the call puts into its model (PIA's conv_in, an
+    IP adapter's encoder_hid_proj): its parameters are not this build's, and
+    keep their state (an initializer kept in init_mode, as mindone's diffusers
+    load leaves a loaded parameter)."""
+    from mindspore import nn
+    from mindspore.common.initializer import initializer
+
+    from ms_loadpatch.strategy.building.construction import built_with_draws
+
+    source = nn.Dense(3, 2)
+    kept = initializer("zeros", (2, 3), ms.float32)
+    source.weight.init_mode = kept
+
+    class Holder(nn.Cell):
+        def __init__(self):
+            super().__init__()
+            self.own = nn.Dense(3, 2)
+            self.shared = source
+
+    model, filled = built_with_draws(Holder, foreign={id(p) for p in source.get_parameters()})
+    assert source.weight.init_mode is kept
+    assert filled == 2 and not model.own.weight.has_init and model.own.weight.init_mode is None

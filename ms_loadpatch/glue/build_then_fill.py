@@ -21,6 +21,8 @@ from __future__ import annotations
 import logging
 import threading
 
+from mindspore import nn
+
 from .. import core, versions
 from ..strategy import context
 from ..strategy.building.construction import built_with_draws
@@ -53,11 +55,15 @@ def built_then_filled(wrapped, instance, args, kwargs):
                 return wrapped(*args, **kwargs)
         report = context.LoadReport(instance.__name__, "diffusers")
         report.technique = f"{wrapped.__name__}: {_TECHNIQUE}"
+        # the source models' own parameters (a cell the call shares into its model) are not this build's
+        foreign = {id(p) for value in (*args, *kwargs.values()) if isinstance(value, nn.Cell)
+                   for p in value.get_parameters()}
         _inside.call = wrapped.__name__
         try:
             with report.phase("build and fill"):
                 model, report.missing_initialised = built_with_draws(lambda: wrapped(*args, **kwargs),
-                                                                     when_built=report.note_construction)
+                                                                     when_built=report.note_construction,
+                                                                     foreign=foreign)
         finally:
             _inside.call = None
         report.total = report.phases["build and fill"]

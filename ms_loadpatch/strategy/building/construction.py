@@ -103,15 +103,16 @@ def as_load_state_dict_leaves_it(cell, name: str) -> None:
                 "load this model with ms_loadpatch.disabled()")
 
 
-def initialize_unloaded(root, ledger) -> int:
+def initialize_unloaded(root, ledger, skip=frozenset()) -> int:
     """Give every parameter still lazy (the checkpoint lacked it) the value
     an unpatched load gives it: its initializer's, with the draw the
     ledger took for it when it was made (draws.Ledger), in
-    `root.get_parameters()` order. Returns how many were filled."""
+    `root.get_parameters()` order; those whose id is in `skip` are left.
+    Returns how many were filled."""
     filled = 0
     with draws.giving_back(ledger) if ledger is not None else contextlib.nullcontext():
         for param in root.get_parameters():
-            if param.has_init:
+            if param.has_init and id(param) not in skip:
                 param.init_data()
                 filled += 1
     if ledger is not None:
@@ -119,13 +120,15 @@ def initialize_unloaded(root, ledger) -> int:
     return filled
 
 
-def built_with_draws(call, when_built=None):
+def built_with_draws(call, when_built=None, foreign=frozenset()):
     """`call()` (returning a model) for a call that builds with every
     initializer run and then fills some parameters itself (set_data from
     another model, an initializer such as zeros): built lazily, each parameter
     taking its draws when made; what the call filled left as a plain build
     leaves it; every parameter still lazy then filled as the plain build
-    fills it (initialize_unloaded). Returns (model, parameters filled here)."""
+    fills it (initialize_unloaded). Parameters whose id is in `foreign`
+    (made before the call: a source model's cell the call puts into its
+    model) are left as they are. Returns (model, parameters filled here)."""
     ledger = draws.Ledger()
     try:
         with lazy_construction(when_built=when_built, ledger=ledger):
@@ -134,8 +137,9 @@ def built_with_draws(call, when_built=None):
         ledger.forget()
         raise
     for param in model.get_parameters():
-        settle_filled(param)
-    return model, initialize_unloaded(model, ledger)
+        if id(param) not in foreign:
+            settle_filled(param)
+    return model, initialize_unloaded(model, ledger, skip=foreign)
 
 
 def settle_filled(param) -> None:
