@@ -46,6 +46,12 @@ def fill(param, value) -> None:
     set_data, and copy / deepcopy / Parameter.clone (ZeRO, EMA) rebuild a
     parameter from a kept initializer instead of its values."""
     param.set_data(value)
+    drop_kept_initializer(param)
+
+
+def drop_kept_initializer(param) -> None:
+    """A filled parameter without the initializer set_data leaves in its
+    `init_mode`, as Parameter.init_data leaves it."""
     if getattr(param, "init_mode", None) is not None and not param.has_init:
         param.init_mode = None
 

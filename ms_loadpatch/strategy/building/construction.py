@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 
+from ..assign import drop_kept_initializer
 from . import draws, fast_construction, named_parameters
 from .lazy import lazy_parameters
 
@@ -149,5 +150,4 @@ def settle_filled(param) -> None:
     lazy window, wrote True into the parameter's own `__dict__`."""
     if param.__dict__.get("init_param") is True:
         del param.__dict__["init_param"]
-    if not param.has_init and getattr(param, "init_mode", None) is not None:
-        param.init_mode = None
+    drop_kept_initializer(param)
