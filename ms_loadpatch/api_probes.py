@@ -187,6 +187,44 @@ def probe_adoption(ms) -> str | None:
     return None
 
 
+def probe_lazy_assign(ms) -> str | None:
+    """None when strategy.building.lazy_writes' copy (set_data of a copy of
+    the value on a lazy parameter, then construction.settle_filled) leaves
+    the parameter as assign_value leaves a plain one, the value unshared."""
+    try:
+        import numpy as np
+        from mindspore.common.initializer import initializer
+
+        from .strategy.building.construction import settle_filled
+        from .strategy.building.lazy import unshared_lazy_parameter
+        from .strategy.building.lazy_writes import taken_as_copy
+
+        for shape, dtype in (((2, 3), ms.float32), ((4,), ms.float16)):
+            value = ms.Tensor(np.arange(int(np.prod(shape)), dtype=np.float32).reshape(shape), dtype=dtype)
+            real = ms.Parameter(initializer("normal", shape, dtype), name="probe")
+            real.assign_value(value)
+            fast = unshared_lazy_parameter(initializer("normal", shape, dtype), name="probe")
+            if not fast.has_init or not taken_as_copy(fast, value):
+                return "a lazy parameter does not take the copy"
+            settle_filled(fast)
+            if fast.has_init or fast.dtype != real.dtype or fast.shape != real.shape \
+                    or not np.array_equal(fast.asnumpy(), real.asnumpy()):
+                return "the parameter does not hold the value as assign_value leaves it"
+            value.assign_value(ms.Tensor(np.zeros(shape, dtype=np.float32), dtype=dtype))
+            if not np.array_equal(fast.asnumpy(), real.asnumpy()):
+                return "the parameter shares the value's storage"
+            ours, theirs = ({k: str(v) for k, v in vars(p).items() if k != "_param_info"} for p in (fast, real))
+            if ours != theirs:
+                return f"its attributes differ from assign_value's: {sorted(ours.items() ^ theirs.items())}"
+            for attribute in ("name", "requires_grad", "sliced", "init", "init_flag", "layerwise_parallel",
+                              "init_mode"):
+                if getattr(fast, attribute) != getattr(real, attribute):
+                    return f"its {attribute} differs from assign_value's"
+    except Exception as exc:  # an internal it relies on changed
+        return f"{type(exc).__name__}: {exc}"
+    return None
+
+
 def _probe_draws() -> str | None:
     """None when lazy parameters that take their draws when made
     (strategy/building/draws.py) leave numpy's global state and, filled, the

@@ -96,6 +96,9 @@ TARGETS: tuple[Target, ...] = (
       for module, cls, method in (
         ("controlnets.controlnet", "ControlNetModel", "from_unet"),
         ("controlnets.controlnet_sparsectrl", "SparseControlNetModel", "from_unet"),
+        ("controlnets.controlnet_union", "ControlNetUnionModel", "from_unet"),
+        ("controlnets.controlnet_xs", "ControlNetXSAdapter", "from_unet"),
+        ("controlnets.controlnet_xs", "UNetControlNetXSModel", "from_unet"),
         ("controlnets.controlnet_flux", "FluxControlNetModel", "from_transformer"),
         ("unets.unet_motion_model", "UNetMotionModel", "from_unet2d"),
     )),

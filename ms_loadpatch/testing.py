@@ -92,34 +92,53 @@ def compare(expected: dict, actual: dict, skip_values=()) -> list[str]:
 
 def load_both(load):
     """(unpatched result, patched result) of `load()`, called once each, in
-    one process, each from the same global random state (numpy's and
-    Python's `random`): weights a checkpoint lacks get their initializers'
-    draws. Raises AssertionError when the patched call leaves those
-    generators elsewhere than the unpatched one did."""
-    import random
-
-    import numpy as np
-
-    start = np.random.get_state(), random.getstate()
+    one process, each from the same global random state (numpy's, Python's
+    `random` and mindspore's default generator): weights a checkpoint lacks
+    get their initializers' draws. Raises AssertionError when the patched
+    call leaves those generators elsewhere than the unpatched one did."""
+    start = _global_random_state()
     with disabled():
         reference = load()
-    after_reference = np.random.get_state(), random.getstate()
-    np.random.set_state(start[0])
-    random.setstate(start[1])
+    after_reference = _global_random_state()
+    _set_global_random_state(start)
     with enabled():
         accelerated = load()
-    problem = _random_state_difference(after_reference, (np.random.get_state(), random.getstate()))
+    problem = _random_state_difference(after_reference, _global_random_state())
     if problem:
         raise AssertionError(f"the patched load leaves {problem} elsewhere than the unpatched load")
     return reference, accelerated
 
 
+def _global_random_state():
+    import random
+
+    import mindspore as ms
+    import numpy as np
+
+    generator = ms.get_rng_state().asnumpy().copy() if hasattr(ms, "get_rng_state") else None
+    return np.random.get_state(), random.getstate(), generator
+
+
+def _set_global_random_state(state) -> None:
+    import random
+
+    import mindspore as ms
+    import numpy as np
+
+    np.random.set_state(state[0])
+    random.setstate(state[1])
+    if state[2] is not None:
+        ms.set_rng_state(ms.Tensor(state[2]))
+
+
 def _random_state_difference(reference, accelerated) -> str | None:
-    (ref_numpy, ref_python), (acc_numpy, acc_python) = reference, accelerated
+    (ref_numpy, ref_python, ref_ms), (acc_numpy, acc_python, acc_ms) = reference, accelerated
     if ref_numpy[0] != acc_numpy[0] or not (ref_numpy[1] == acc_numpy[1]).all() or ref_numpy[2:] != acc_numpy[2:]:
         return "numpy's global RandomState"
     if ref_python != acc_python:
         return "Python's random"
+    if ref_ms is not None and not (ref_ms == acc_ms).all():
+        return "mindspore's default generator"
     return None
 
 
@@ -134,7 +153,7 @@ def assert_same_model(reference, accelerated, skip_values=()) -> None:
 @contextlib.contextmanager
 def cpu_kernel_fallbacks():
     """mindspore's CPU wheel lacks some kernels mindone calls (`Arange` behind
-    `mint.arange` while building models; `InplaceNormal` and
+    `mint.arange` and `Randn` behind `mint.randn` while building models; `InplaceNormal` and
     `InplaceZero` behind `Tensor.normal_` / `zero_` in the `_init_weights` of Qwen3-MoE, Qwen2-MoE, OLMoE,
     DeepSeek-V2 and others; `Embedding` and `RmsNorm` in forward passes).
     Route them to equivalent ops for the duration; apply it to both sides of
@@ -145,6 +164,16 @@ def cpu_kernel_fallbacks():
 
     def arange(wrapped, instance, args, kwargs):
         return ops.arange(*args, **kwargs)
+
+    def randn(wrapped, instance, args, kwargs):
+        # values from mindspore's default generator's state, which then moves on, as mint.randn's do
+        shape = tuple(args[0]) if len(args) == 1 and isinstance(args[0], (tuple, list)) else tuple(args)
+        state = ms.get_rng_state().asnumpy()
+        values = np.random.default_rng(int.from_bytes(state.tobytes(), "little")).standard_normal(shape)
+        offset = (int.from_bytes(state[8:].tobytes(), "little") + values.size) % 2 ** 64
+        moved = np.concatenate([state[:8], np.frombuffer(offset.to_bytes(8, "little"), np.uint8)])
+        ms.set_rng_state(ms.Tensor(moved))
+        return ms.Tensor(values.astype(np.float32), dtype=kwargs.get("dtype") or ms.float32)
 
     def embedding(wrapped, instance, args, kwargs):
         input_ids, weight = args[0], args[1]
@@ -169,6 +198,7 @@ def cpu_kernel_fallbacks():
 
     with contextlib.ExitStack() as stack:
         stack.enter_context(wrapt.scoped_function_wrapper(mint, "arange", arange))
+        stack.enter_context(wrapt.scoped_function_wrapper(mint, "randn", randn))
         stack.enter_context(wrapt.scoped_function_wrapper(ms.Tensor, "normal_", normal_))
         stack.enter_context(wrapt.scoped_function_wrapper(ms.Tensor, "zero_", zero_))
         stack.enter_context(wrapt.scoped_function_wrapper(ops, "embedding", embedding))

@@ -259,6 +259,8 @@ class Techniques:
     features: dict = dataclasses.field(default_factory=dict)
     # why a checkpoint array cannot become a Parameter over its own buffer here (None: it can)
     adoption_problem: str | None = None
+    # why a copy into a lazy parameter (assign_value) cannot skip its fill here (None: it can)
+    lazy_assign_problem: str | None = None
 
     @property
     def draws_problem(self) -> str | None:
@@ -295,6 +297,12 @@ class Techniques:
                                     "the read buffer, not copies (probed against Parameter(array))",
                      "state": SKIPPED if self.adoption_problem or everywhere else ACTIVE,
                      "reason": self.adoption_problem or everywhere})
+        rows.append({"name": "lazy-assign", "libraries": ["diffusers"],
+                     "description": "inside a call that builds then fills, assign_value into a lazy parameter "
+                                    "(Cell.load_state_dict) takes a copy without the random fill it overwrites "
+                                    "(probed against assign_value on a plain parameter; else filled, then assigned)",
+                     "state": SKIPPED if self.lazy_assign_problem or everywhere else ACTIVE,
+                     "reason": self.lazy_assign_problem or everywhere})
         if self.features.get("cell_to"):
             own = "; ".join(p for name, p in self.library_problems if name == "transformers" and "Cell.to" in p)
             rows.append({"name": "cell-to-keeping-lazy", "libraries": ["transformers"],
@@ -323,6 +331,7 @@ def techniques() -> Techniques:
     with randomstate.kept():  # the probes fill parameters from random initializers
         problems, library_problems, features = api_probes.probe(ms)
         adoption_problem = api_probes.probe_adoption(ms) if not problems else None
+        lazy_assign_problem = api_probes.probe_lazy_assign(ms) if not problems else None
     result = Techniques(
         mindspore=str(getattr(ms, "__version__", installed_version("mindspore"))),
         assign="Parameter.set_data (transformers: then its lazy initializer dropped, as Parameter.init_data does)",
@@ -333,6 +342,7 @@ def techniques() -> Techniques:
         library_problems=library_problems,
         features=features,
         adoption_problem=adoption_problem,
+        lazy_assign_problem=lazy_assign_problem,
     )
     if result.refusal:
         logger.warning("ms_loadpatch: targets are skipped: %s", result.refusal)

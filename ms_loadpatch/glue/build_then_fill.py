@@ -43,10 +43,20 @@ def adopting_checkpoint() -> bool:
     return getattr(_inside, "call", None) == "from_single_file" and versions.techniques().adoption_problem is None
 
 
+def _source_parameters(args, kwargs) -> set:
+    """ids of the source models' own parameters: a cell the call shares into its model is not this build's."""
+    return {id(p) for value in (*args, *kwargs.values()) if isinstance(value, nn.Cell) for p in value.get_parameters()}
+
+
+def _fast_assign() -> bool:
+    return versions.techniques().lazy_assign_problem is None
+
+
 def built_then_filled(wrapped, instance, args, kwargs):
     """The wrapper of every such call (targets.py): the call as it is, on a lazy build with its draws."""
-    if getattr(_inside, "call", None):  # a constructor called by another (the outer one builds lazily)
-        return wrapped(*args, **kwargs)
+    if getattr(_inside, "call", None):  # a constructor called by another: its model filled before the outer copies it
+        return built_with_draws(lambda: wrapped(*args, **kwargs), foreign=_source_parameters(args, kwargs),
+                                fast_assign=_fast_assign())[0]
     with core.accelerated_load() as allowed:
         reason = "ms_loadpatch is being disabled" if not allowed else versions.techniques().draws_problem
         if reason is not None:
@@ -55,15 +65,13 @@ def built_then_filled(wrapped, instance, args, kwargs):
                 return wrapped(*args, **kwargs)
         report = context.LoadReport(instance.__name__, "diffusers")
         report.technique = f"{wrapped.__name__}: {_TECHNIQUE}"
-        # the source models' own parameters (a cell the call shares into its model) are not this build's
-        foreign = {id(p) for value in (*args, *kwargs.values()) if isinstance(value, nn.Cell)
-                   for p in value.get_parameters()}
         _inside.call = wrapped.__name__
         try:
             with report.phase("build and fill"):
                 model, report.missing_initialised = built_with_draws(lambda: wrapped(*args, **kwargs),
                                                                      when_built=report.note_construction,
-                                                                     foreign=foreign)
+                                                                     foreign=_source_parameters(args, kwargs),
+                                                                     fast_assign=_fast_assign())
         finally:
             _inside.call = None
         report.total = report.phases["build and fill"]

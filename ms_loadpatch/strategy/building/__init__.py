@@ -17,7 +17,7 @@ import contextlib
 import threading
 
 from .. import randomstate, switch, verdict
-from . import draws, init_pass, window
+from . import draws, init_pass, lazy_writes, window
 from .cell_init_template import CellInitTemplate
 from .flat_name_walk import FlatNameWalk
 from . import gc_pause
@@ -118,7 +118,7 @@ def leftovers() -> list[str]:
         found += technique.leftovers()
     if window.counter_left_installed():
         found.append("nn.Cell.__init__ still counts cells")
-    return found + gc_pause.leftovers() + draws.leftovers() + init_pass.leftovers()
+    return found + gc_pause.leftovers() + draws.leftovers() + init_pass.leftovers() + lazy_writes.leftovers()
 
 
 @contextlib.contextmanager

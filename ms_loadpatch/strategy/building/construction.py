@@ -6,7 +6,7 @@ from __future__ import annotations
 import contextlib
 
 from ..assign import drop_kept_initializer
-from . import draws, fast_construction, named_parameters
+from . import draws, fast_construction, lazy_writes, named_parameters
 from .lazy import lazy_parameters
 
 __all__ = ["lazy_construction", "refresh_parameter_names", "walk_cells", "state_index",
@@ -121,18 +121,19 @@ def initialize_unloaded(root, ledger, skip=frozenset()) -> int:
     return filled
 
 
-def built_with_draws(call, when_built=None, foreign=frozenset()):
+def built_with_draws(call, when_built=None, foreign=frozenset(), fast_assign=False):
     """`call()` (returning a model) for a call that builds with every
-    initializer run and then fills some parameters itself (set_data from
-    another model, an initializer such as zeros): built lazily, each parameter
-    taking its draws when made; what the call filled left as a plain build
-    leaves it; every parameter still lazy then filled as the plain build
-    fills it (initialize_unloaded). Parameters whose id is in `foreign`
+    initializer run and then fills some parameters itself (set_data or
+    assign_value from another model, an initializer such as zeros): built
+    lazily, each parameter taking its draws when made; what the call filled
+    left as a plain build leaves it (assign_value: lazy_writes, taking copies
+    with `fast_assign`); every parameter still lazy then filled as the plain
+    build fills it (initialize_unloaded). Parameters whose id is in `foreign`
     (made before the call: a source model's cell the call puts into its
     model) are left as they are. Returns (model, parameters filled here)."""
     ledger = draws.Ledger()
     try:
-        with lazy_construction(when_built=when_built, ledger=ledger):
+        with lazy_construction(when_built=when_built, ledger=ledger), lazy_writes.assigning(fast_assign):
             model = call()
     except BaseException:
         ledger.forget()

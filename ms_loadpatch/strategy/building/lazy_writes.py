@@ -1,0 +1,78 @@
+"""Copies into a lazy parameter while a call that builds then fills runs
+(construction.built_with_draws).
+
+mindspore's `Cell.load_state_dict` copies each value with
+`Tensor.assign_value`, which writes into the parameter's data: on a lazy
+parameter it leaves the initializer in place, and the later fill would
+overwrite the copy. While this is held, `assign_value` in the accounting
+thread on a parameter still lazy either takes a copy of the value with
+`set_data` (`fast`: the state a plain parameter has after assign_value, as
+api_probes.probe_lazy_assign checks), or is first filled with its own draw
+and then assigned, which is what the plain build does. Other threads and
+filled parameters get mindspore's own `assign_value`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+
+import numpy as np
+from mindspore import Parameter
+
+_local = threading.local()  # .fast: this thread's build takes copies
+_lock = threading.Lock()
+_users = 0
+_original = None  # Tensor's own assign_value (a Parameter's class derives from Tensor and Parameter)
+
+
+def _assign_value(self, value):
+    fast = getattr(_local, "fast", None)
+    if fast is None or not isinstance(self, Parameter) or not self.has_init:
+        return _original(self, value)
+    if fast and taken_as_copy(self, value):
+        return self
+    self.init_data()  # its own draw (draws.Ledger gives it back), as the plain build filled it
+    return _original(self, value)
+
+
+def taken_as_copy(param, value) -> bool:
+    """`param.set_data` of a copy of `value` when the copy keeps everything
+    assign_value keeps (same shape and dtype, a dtype numpy holds); False
+    when it does not, nothing done."""
+    from mindspore import Tensor
+    from mindspore.common import dtype as mstype
+
+    if not isinstance(value, Tensor) or value.has_init or value.dtype != param.dtype \
+            or tuple(value.shape) != tuple(param.shape) or value.dtype == mstype.bfloat16:
+        return False
+    param.set_data(Tensor(np.array(value.asnumpy(), copy=True)))
+    return True
+
+
+@contextlib.contextmanager
+def assigning(fast: bool):
+    """assign_value on a lazy parameter in this thread lands, as described above."""
+    global _users, _original
+    from mindspore import Tensor
+
+    with _lock:
+        if _users == 0:
+            _original = vars(Tensor)["assign_value"]
+            Tensor.assign_value = _assign_value
+        _users += 1
+    outer, _local.fast = getattr(_local, "fast", None), fast
+    try:
+        yield
+    finally:
+        _local.fast = outer
+        with _lock:
+            _users -= 1
+            if _users == 0:
+                Tensor.assign_value = _original
+                _original = None
+
+
+def leftovers() -> list[str]:
+    """What an ended call would have left patched (for tests)."""
+    return [f"Tensor.assign_value still patched ({_users} user(s))"] if _users or _original else []
