@@ -22,6 +22,7 @@ _TF_GLUE = "ms_loadpatch.glue.transformers"
 _DF_GLUE = "ms_loadpatch.glue.diffusers"
 _GLUE = "ms_loadpatch.glue.common"  # wrappers both libraries share
 _BUILD_THEN_FILL = "ms_loadpatch.glue.build_then_fill:built_then_filled"
+_BUILD_INTO_MODEL = "ms_loadpatch.glue.build_then_fill:built_into_model"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -104,6 +105,14 @@ TARGETS: tuple[Target, ...] = (
     )),
     Target("mindone.diffusers.loaders.single_file_model", "FromOriginalModelMixin.from_single_file",
            _BUILD_THEN_FILL, public=True),
+    # a model's methods that build layers into it and fill them: IP adapters (load_ip_adapter's), LoRA
+    *(Target(f"mindone.diffusers.loaders.{module}", path, _BUILD_INTO_MODEL, public=True) for module, path in (
+        ("unet", "UNet2DConditionLoadersMixin._load_ip_adapter_weights"),
+        ("transformer_flux", "FluxTransformer2DLoadersMixin._load_ip_adapter_weights"),
+        ("peft", "PeftAdapterMixin.load_lora_adapter"),
+    )),
+    Target("mindone.transformers.integrations.peft", "PeftAdapterMixin.load_adapter", _BUILD_INTO_MODEL, public=True),
+    Target("mindone.peft.peft_model", "PeftModel.from_pretrained", _BUILD_THEN_FILL, public=True),
     # internals of its loading path, active only inside an accelerated from_pretrained
     Target(_DF, "no_init_parameters", f"{_DF_GLUE}:no_init_parameters"),
     Target(_DF, "ModelMixin._load_pretrained_model", f"{_DF_GLUE}:load_pretrained_model"),

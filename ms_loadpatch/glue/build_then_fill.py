@@ -43,9 +43,12 @@ def adopting_checkpoint() -> bool:
     return getattr(_inside, "call", None) == "from_single_file" and versions.techniques().adoption_problem is None
 
 
-def _source_parameters(args, kwargs) -> set:
-    """ids of the source models' own parameters: a cell the call shares into its model is not this build's."""
-    return {id(p) for value in (*args, *kwargs.values()) if isinstance(value, nn.Cell) for p in value.get_parameters()}
+def _source_parameters(args, kwargs, into=None) -> set:
+    """ids of parameters this build does not make: the source models' own
+    (a cell the call shares into its model), and those the model built into
+    has before the call."""
+    cells = [value for value in (*args, *kwargs.values()) if isinstance(value, nn.Cell)]
+    return {id(p) for cell in (*cells, *([into] if into is not None else [])) for p in cell.get_parameters()}
 
 
 def _fast_assign() -> bool:
@@ -53,27 +56,40 @@ def _fast_assign() -> bool:
 
 
 def built_then_filled(wrapped, instance, args, kwargs):
-    """The wrapper of every such call (targets.py): the call as it is, on a lazy build with its draws."""
-    if getattr(_inside, "call", None):  # a constructor called by another: its model filled before the outer copies it
-        return built_with_draws(lambda: wrapped(*args, **kwargs), foreign=_source_parameters(args, kwargs),
-                                fast_assign=_fast_assign())[0]
+    """The wrapper of every call that builds a model and fills it (targets.py): the call as it is, on a lazy build
+    with its draws."""
+    return _accelerated(wrapped, getattr(instance, "__name__", wrapped.__name__), args, kwargs)
+
+
+def built_into_model(wrapped, instance, args, kwargs):
+    """The wrapper of a model's method that builds layers into it and fills them (IP adapters, LoRA)."""
+    return _accelerated(wrapped, type(instance).__name__, args, kwargs, into=instance)
+
+
+def _accelerated(wrapped, model_class, args, kwargs, into=None):
+    def call():
+        return wrapped(*args, **kwargs)
+
+    if getattr(_inside, "call", None):  # called by another such call: its layers filled before the outer copies them
+        return built_with_draws(call, foreign=_source_parameters(args, kwargs, into), fast_assign=_fast_assign(),
+                                into=into)[0]
     with core.accelerated_load() as allowed:
         reason = "ms_loadpatch is being disabled" if not allowed else versions.techniques().draws_problem
         if reason is not None:
-            logger.debug("ms_loadpatch: %s.%s unpatched: %s", instance.__name__, wrapped.__name__, reason)
+            logger.debug("ms_loadpatch: %s.%s unpatched: %s", model_class, wrapped.__name__, reason)
             with CONSTRUCTION_LOCK:
-                return wrapped(*args, **kwargs)
-        report = context.LoadReport(instance.__name__, "diffusers")
+                return call()
+        report = context.LoadReport(model_class, wrapped.__module__.split(".")[1])
         report.technique = f"{wrapped.__name__}: {_TECHNIQUE}"
+        foreign = _source_parameters(args, kwargs, into)
         _inside.call = wrapped.__name__
         try:
             with report.phase("build and fill"):
-                model, report.missing_initialised = built_with_draws(lambda: wrapped(*args, **kwargs),
-                                                                     when_built=report.note_construction,
-                                                                     foreign=_source_parameters(args, kwargs),
-                                                                     fast_assign=_fast_assign())
+                result, report.missing_initialised = built_with_draws(call, when_built=report.note_construction,
+                                                                      foreign=foreign, fast_assign=_fast_assign(),
+                                                                      into=into)
         finally:
             _inside.call = None
         report.total = report.phases["build and fill"]
         context.emit(report)
-        return model
+        return result

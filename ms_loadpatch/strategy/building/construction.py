@@ -121,8 +121,8 @@ def initialize_unloaded(root, ledger, skip=frozenset()) -> int:
     return filled
 
 
-def built_with_draws(call, when_built=None, foreign=frozenset(), fast_assign=False):
-    """`call()` (returning a model) for a call that builds with every
+def built_with_draws(call, when_built=None, foreign=frozenset(), fast_assign=False, into=None):
+    """`call()` (returning a model, or building into the model `into`) for a call that builds with every
     initializer run and then fills some parameters itself (set_data or
     assign_value from another model, an initializer such as zeros): built
     lazily, each parameter taking its draws when made; what the call filled
@@ -130,18 +130,19 @@ def built_with_draws(call, when_built=None, foreign=frozenset(), fast_assign=Fal
     with `fast_assign`); every parameter still lazy then filled as the plain
     build fills it (initialize_unloaded). Parameters whose id is in `foreign`
     (made before the call: a source model's cell the call puts into its
-    model) are left as they are. Returns (model, parameters filled here)."""
+    model) are left as they are. Returns (what call returned, parameters filled here)."""
     ledger = draws.Ledger()
     try:
         with lazy_construction(when_built=when_built, ledger=ledger), lazy_writes.assigning(fast_assign):
-            model = call()
+            result = call()
     except BaseException:
         ledger.forget()
         raise
+    model = result if into is None else into
     for param in model.get_parameters():
         if id(param) not in foreign:
             settle_filled(param)
-    return model, initialize_unloaded(model, ledger, skip=foreign)
+    return result, initialize_unloaded(model, ledger, skip=foreign)
 
 
 def settle_filled(param) -> None:
