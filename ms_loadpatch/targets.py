@@ -105,6 +105,9 @@ TARGETS: tuple[Target, ...] = (
     )),
     Target("mindone.diffusers.loaders.single_file_model", "FromOriginalModelMixin.from_single_file",
            _BUILD_THEN_FILL, public=True),
+    # the transformers text encoders a pipeline's from_single_file builds from the file (as its module calls them)
+    *(Target("mindone.diffusers.loaders.single_file", function, _BUILD_THEN_FILL, public=True) for function in (
+        "create_diffusers_clip_model_from_ldm", "create_diffusers_t5_model_from_checkpoint")),
     # a model's methods that build layers into it and fill them: IP adapters (load_ip_adapter's), LoRA
     *(Target(f"mindone.diffusers.loaders.{module}", path, _BUILD_INTO_MODEL, public=True) for module, path in (
         ("unet", "UNet2DConditionLoadersMixin._load_ip_adapter_weights"),

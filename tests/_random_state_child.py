@@ -4,7 +4,8 @@ and print the global generators' draws after each call as one JSON line.
     python _random_state_child.py CASE DIRECTORY
 
 CASE: `diffusers-unet`, `diffusers-vae` (from_pretrained of the checkpoint in
-DIRECTORY/CASE), `transformers-*` (from_pretrained of DIRECTORY/CASE, see
+DIRECTORY/CASE), `diffusers-controlnet` (ControlNetModel.from_unet of that
+UNet), `diffusers-single-file` (the UNet's file through from_single_file), `transformers-*` (from_pretrained of DIRECTORY/CASE, see
 TRANSFORMERS; `-bf16`: as bfloat16), `transformers-from-config`, `probes`
 (every probe the plugin runs, through status(), against no call at all).
 The plugin is on unless MS_LOADPATCH=0. After each load, a digest of every
@@ -48,6 +49,13 @@ def call():
     if case.startswith("diffusers-"):
         import mindone.diffusers as D
 
+        if case == "diffusers-controlnet":  # built from a UNet, then filled from it
+            return D.ControlNetModel.from_unet(D.UNet2DConditionModel.from_pretrained(
+                os.path.join(directory, "diffusers-unet")))
+        if case == "diffusers-single-file":
+            return D.UNet2DConditionModel.from_single_file(
+                os.path.join(directory, "diffusers-unet", "diffusion_pytorch_model.safetensors"),
+                config=os.path.join(directory, "diffusers-unet"))
         cls = {"diffusers-unet": D.UNet2DConditionModel, "diffusers-vae": D.AutoencoderKL}[case]
         return cls.from_pretrained(os.path.join(directory, case))
     if case in TRANSFORMERS:

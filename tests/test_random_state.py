@@ -1,5 +1,5 @@
 """A seeded script draws the same numbers after a call with the plugin on as
-without it: numpy's global RandomState (mindspore's initializers seed from
+without it (from_pretrained, and calls that build then fill): numpy's global RandomState (mindspore's initializers seed from
 it), Python's random, mindspore's default generator; and gets the same
 model, weights its checkpoint lacks included. Fresh processes, one
 PYTHONHASHSEED, the first call of a process (the probes run) and a later one.
@@ -19,7 +19,7 @@ import pytest
 
 CHILD = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_random_state_child.py")
 # the version matrix runs the probes, what differs between mindspore versions (2 processes a version)
-CASES = ["diffusers-unet", "diffusers-vae", "transformers-from-config", pytest.param("probes", marks=pytest.mark.matrix),
+CASES = ["diffusers-unet", "diffusers-vae", "diffusers-controlnet", "diffusers-single-file", "transformers-from-config", pytest.param("probes", marks=pytest.mark.matrix),
          "transformers-qwen2", "transformers-qwen2-bf16", pytest.param("transformers-qwen2-missing", marks=pytest.mark.matrix),
          "transformers-mixtral", "transformers-qwen3-moe", "transformers-clip-text"]
 

@@ -1,0 +1,183 @@
+"""A pipeline's from_single_file on an original-format (LDM) checkpoint: the
+UNet and VAE go through their accelerated from_single_file with mindone's key
+conversion; the text encoders it builds from the file (CLIP, T5) through
+build_then_fill too. mindone 0.5.0's CLIP path reads `.weight` of a mindspore
+`nn.Embedding` and raises AttributeError: patched, the same error. Patched
+and unpatched calls in one process, from the same random state (load_both)."""
+
+from __future__ import annotations
+
+import re
+
+import mindspore as ms
+import numpy as np
+import pytest
+
+from _helpers import tiny_unet, tiny_vae
+import mindone.diffusers as md
+import ms_loadpatch
+from ms_loadpatch.testing import assert_same_model, load_both
+
+pytestmark = pytest.mark.usefixtures("cpu_kernels", "plugin_enabled")
+
+_RESNET = (("norm1", "in_layers.0"), ("conv1", "in_layers.2"), ("norm2", "out_layers.0"), ("conv2", "out_layers.3"),
+           ("time_emb_proj", "emb_layers.1"), ("conv_shortcut", "skip_connection"))
+_UNET_TOP = (("time_embedding.linear_1", "time_embed.0"), ("time_embedding.linear_2", "time_embed.2"),
+             ("conv_in", "input_blocks.0.0"), ("conv_norm_out", "out.0"), ("conv_out", "out.2"))
+
+
+def ldm_unet_key(key: str, config: dict) -> str:
+    """The original (LDM) name of a diffusers UNet2DConditionModel key, for
+    any number of blocks and layers: the inverse of mindone's
+    convert_ldm_unet_checkpoint (test_ldm_unet_converts_to_the_saved_unet checks it)."""
+    layers = config["layers_per_block"]
+    up_has_attention = [kind.startswith("CrossAttn") for kind in config["up_block_types"]]
+
+    def resnet(rest):
+        return next((new + rest[len(old):] for old, new in _RESNET if rest.startswith(old + ".")), rest)
+
+    def part(kind, rest):
+        return "0." + resnet(rest) if kind == "resnets" else "1." + rest
+
+    for old, new in _UNET_TOP:
+        if key.startswith(old + "."):
+            return f"model.diffusion_model.{new}{key[len(old):]}"
+    if m := re.fullmatch(r"down_blocks\.(\d+)\.(resnets|attentions)\.(\d+)\.(.*)", key):
+        return f"model.diffusion_model.input_blocks.{(layers + 1) * int(m[1]) + int(m[3]) + 1}.{part(m[2], m[4])}"
+    if m := re.fullmatch(r"down_blocks\.(\d+)\.downsamplers\.0\.conv\.(.*)", key):
+        return f"model.diffusion_model.input_blocks.{(layers + 1) * (int(m[1]) + 1)}.0.op.{m[2]}"
+    if m := re.fullmatch(r"mid_block\.(resnets|attentions)\.(\d+)\.(.*)", key):
+        index = 2 * int(m[2]) if m[1] == "resnets" else 1
+        return f"model.diffusion_model.middle_block.{index}.{part(m[1], m[3])[2:]}"
+    if m := re.fullmatch(r"up_blocks\.(\d+)\.(resnets|attentions)\.(\d+)\.(.*)", key):
+        return f"model.diffusion_model.output_blocks.{(layers + 1) * int(m[1]) + int(m[3])}.{part(m[2], m[4])}"
+    if m := re.fullmatch(r"up_blocks\.(\d+)\.upsamplers\.0\.(.*)", key):
+        block = int(m[1])
+        return f"model.diffusion_model.output_blocks.{(layers + 1) * block + layers}.{2 if up_has_attention[block] else 1}.{m[2]}"
+    raise KeyError(key)
+
+
+def _hf_name(name: str) -> str:
+    return name.replace("embedding_table", "weight")  # mindspore's nn.Embedding; the file has torch's name
+
+
+@pytest.fixture(scope="module")
+def ldm_pipeline(tmp_path_factory):
+    """A tiny Stable Diffusion pipeline saved (its configs) and its UNet, VAE
+    and CLIP text encoder in one original-format file."""
+    import transformers as hf
+    from safetensors.numpy import save_file
+
+    import mindone.transformers as mt
+    from ms_loadpatch.testing import cpu_kernel_fallbacks
+    from test_build_then_fill import _ldm_vae_key
+
+    root = tmp_path_factory.mktemp("ldm-pipeline")
+    unet_config = {k: list(v) if isinstance(v, tuple) else v for k, v in tiny_unet().items()}
+    with ms_loadpatch.disabled(), cpu_kernel_fallbacks():
+        unet, vae = md.UNet2DConditionModel(**unet_config), md.AutoencoderKL(**tiny_vae())
+        text_encoder = mt.CLIPTextModel(hf.CLIPTextConfig(
+            vocab_size=128, hidden_size=8, intermediate_size=16, num_hidden_layers=1, num_attention_heads=2,
+            max_position_embeddings=16, projection_dim=8))
+        md.StableDiffusionPipeline(vae=vae, text_encoder=text_encoder, tokenizer=None, unet=unet,
+                                   scheduler=md.PNDMScheduler(), safety_checker=None, feature_extractor=None,
+                                   requires_safety_checker=False).save_pretrained(str(root / "config"))
+    ldm = {ldm_unet_key(name, unet_config): p.asnumpy() for name, p in unet.parameters_and_names()}
+    for name, param in vae.parameters_and_names():
+        value = param.asnumpy()
+        if ".attentions." in name and name.endswith("weight") and value.ndim == 2:
+            value = value[:, :, None, None]  # LDM attention projections are 1x1 convolutions
+        ldm["first_stage_model." + _ldm_vae_key(name, len(tiny_vae()["up_block_types"]))] = value
+    for name, param in text_encoder.parameters_and_names():
+        ldm["cond_stage_model.transformer." + _hf_name(name)] = param.asnumpy()
+    save_file(ldm, str(root / "sd-ldm.safetensors"))
+    return root, unet, text_encoder
+
+
+def test_ldm_unet_converts_to_the_saved_unet(ldm_pipeline):
+    root, unet, _ = ldm_pipeline
+    with ms_loadpatch.disabled():
+        loaded = md.UNet2DConditionModel.from_single_file(str(root / "sd-ldm.safetensors"),
+                                                          config=str(root / "config"), subfolder="unet")
+    expected = dict(unet.parameters_and_names())
+    got = dict(loaded.parameters_and_names())
+    assert expected.keys() == got.keys()
+    for name, param in expected.items():
+        np.testing.assert_array_equal(got[name].asnumpy(), param.asnumpy(), err_msg=name)
+
+
+def _pipeline(root, **components):
+    return md.StableDiffusionPipeline.from_single_file(str(root / "sd-ldm.safetensors"), config=str(root / "config"),
+                                                       tokenizer=None, safety_checker=None, feature_extractor=None,
+                                                       **components)
+
+
+@pytest.mark.matrix
+def test_pipeline_same_components_as_unpatched(ldm_pipeline):
+    """The text encoder passed in (mindone cannot build CLIP from the file);
+    the UNet and VAE from the file, converted."""
+    root, _, text_encoder = ldm_pipeline
+    reference, accelerated = load_both(lambda: _pipeline(root, text_encoder=text_encoder))
+    for component in ("unet", "vae"):
+        assert_same_model(getattr(reference, component), getattr(accelerated, component))
+    assert accelerated.text_encoder is text_encoder
+    report = ms_loadpatch.last_report()
+    assert report.technique.startswith("from_single_file") and report.model_class in ("UNet2DConditionModel",
+                                                                                      "AutoencoderKL")
+
+
+def test_clip_from_the_file_fails_as_unpatched(ldm_pipeline):
+    """mindone 0.5.0's CLIP path raises AttributeError (`Embedding` has no
+    `weight`); the patched call raises the same and leaves nothing behind."""
+    from test_bad_input import assert_state_restored, process_state, raised
+
+    root, _, _ = ldm_pipeline
+    start = np.random.get_state()
+    with ms_loadpatch.disabled():
+        unpatched = raised(lambda: _pipeline(root))
+    after_unpatched = np.random.get_state()
+    np.random.set_state(start)
+    before = process_state()
+    patched = raised(lambda: _pipeline(root))
+    assert_state_restored(before)
+    assert isinstance(unpatched, AttributeError) and "weight" in str(unpatched)
+    assert type(patched) is type(unpatched) and str(patched) == str(unpatched)
+    assert (np.random.get_state()[1] == after_unpatched[1]).all()
+
+
+@pytest.fixture(scope="module")
+def t5_checkpoint(tmp_path_factory):
+    """A tiny T5 encoder's config, and its weights under SD3's original-format names."""
+    import transformers as hf
+
+    import mindone.transformers as mt
+
+    root = tmp_path_factory.mktemp("t5")
+    with ms_loadpatch.disabled():
+        t5 = mt.T5EncoderModel(hf.T5Config(vocab_size=64, d_model=8, d_kv=4, d_ff=16, num_layers=1, num_heads=2))
+        t5.save_pretrained(str(root / "text_encoder_3"))
+    return root, {"text_encoders.t5xxl.transformer." + _hf_name(name): p.asnumpy() for name, p in t5.parameters_and_names()}
+
+
+@pytest.mark.parametrize("dtype", [None, "float16"])
+def test_t5_from_the_file_same_model_as_unpatched(t5_checkpoint, dtype):
+    """create_diffusers_t5_model_from_checkpoint, as SD3's from_single_file
+    calls it: float16 keeps T5's `wo` in float32 (its keep_in_fp32 rule)."""
+    import mindone.transformers as mt
+    from mindone.diffusers.loaders import single_file
+
+    root, arrays = t5_checkpoint
+    mindspore_dtype = getattr(ms, dtype) if dtype else None
+
+    def load():
+        checkpoint = {key: ms.Parameter(ms.Tensor(value), name=key) for key, value in arrays.items()}
+        return single_file.create_diffusers_t5_model_from_checkpoint(
+            mt.T5EncoderModel, checkpoint, subfolder="text_encoder_3", config=str(root), mindspore_dtype=mindspore_dtype)
+
+    reference, accelerated = load_both(load)
+    assert_same_model(reference, accelerated)
+    assert ms_loadpatch.last_report().technique.startswith("create_diffusers_t5_model_from_checkpoint")
+    wo = [p.dtype for n, p in accelerated.parameters_and_names() if ".wo." in n]
+    assert wo and all(d == ms.float32 for d in wo)
+    if dtype:
+        assert any(p.dtype == ms.float16 for p in accelerated.get_parameters())
