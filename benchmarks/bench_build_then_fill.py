@@ -2,9 +2,11 @@
 `SparseControlNetModel.from_unet`, `UNetMotionModel.from_unet2d`,
 `UNet2DConditionModel.from_single_file`, and layers built into the UNet
 (an IP adapter, `_load_ip_adapter_weights`; a rank-32 LoRA on every
-attention projection, `load_lora_adapter`), unpatched vs patched, each call
-in a fresh process; `from-pretrained` is the same weights' from_pretrained,
-the yardstick of the single-file load.
+attention projection, `load_lora_adapter`), and a StableDiffusionPipeline
+(that UNet and an SD VAE) from one original-format (LDM) file, unpatched vs
+patched, each call in a fresh process; `from-pretrained` and
+`pipeline-from-pretrained` are the same weights' from_pretrained, the
+yardsticks of the single-file loads.
 
 The UNet is Stable Diffusion 1.5's layout at 0.6x its width
 (block_out_channels 192-384-768-768, 1.26 GB in fp32), generated once into
@@ -40,6 +42,9 @@ CASES = {
     "single-file": "md.UNet2DConditionModel.from_single_file(path + '/diffusion_pytorch_model.safetensors', "
                    "config=path)",
     "from-pretrained": "md.UNet2DConditionModel.from_pretrained(path)",
+    "pipeline-single-file": "md.StableDiffusionPipeline.from_single_file(pipeline + '/sd-ldm.safetensors', "
+                            "config=pipeline, **NO_TEXT)",
+    "pipeline-from-pretrained": "md.StableDiffusionPipeline.from_pretrained(pipeline, **NO_TEXT)",
     "ip-adapter": "unet._load_ip_adapter_weights(adapter) or unet",
     "lora": "unet.load_lora_adapter(adapter, prefix=None) or unet",
 }
@@ -81,7 +86,8 @@ import ms_loadpatch
 import mindone.diffusers as md
 from ms_loadpatch.testing import cpu_kernel_fallbacks
 from ms_loadpatch.tools._child import prime_memory, touch_all
-path, call, prime, ADAPTERS = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
+path, call, prime, ADAPTERS, pipeline = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4], sys.argv[5]
+NO_TEXT = dict(text_encoder=None, tokenizer=None, safety_checker=None, feature_extractor=None)
 import mindspore as ms, numpy as np
 exec(ADAPTERS)
 with cpu_kernel_fallbacks():
@@ -89,17 +95,60 @@ with cpu_kernel_fallbacks():
     adapter = ip_adapter(unet) if "ip_adapter" in call else lora(unet) if "lora" in call else None
     prime_memory(prime)
     start = time.perf_counter()
-    model = eval(call)
-    touch_all(model)
+    result = eval(call)
+    models = [result] if isinstance(result, ms.nn.Cell) else [result.unet, result.vae]
+    for model in models:
+        touch_all(model)
     seconds = time.perf_counter() - start
 report = ms_loadpatch.last_report() if ms_loadpatch.is_enabled() else None
-print("RESULT " + json.dumps({"seconds": seconds, "parameters": len(list(model.get_parameters())),
+print("RESULT " + json.dumps({"seconds": seconds, "parameters": sum(len(list(m.get_parameters())) for m in models),
                               "technique": report.technique if report else None}))
 """
 
 
-def measure(path, call, mode, prime):
-    return script_result(_CHILD, (path, call, prime, _ADAPTERS), mode, call)
+VAE = {"block_out_channels": [128, 256, 512, 512], "layers_per_block": 2, "latent_channels": 4, "norm_num_groups": 32,
+       "down_block_types": ["DownEncoderBlock2D"] * 4, "up_block_types": ["UpDecoderBlock2D"] * 4, "sample_size": 512}
+
+
+def pipeline_directory(unet_path) -> str:
+    """A StableDiffusionPipeline directory over the cached UNet and an SD VAE
+    (no text encoder: it is passed as None), with both in one original-format
+    file `sd-ldm.safetensors`; made once, in the cache."""
+    import json
+
+    from safetensors.numpy import load_file, save_file
+
+    from ms_loadpatch.tools import original_format
+
+    vae_path = bench.cached_checkpoint("sd-vae", "AutoencoderKL", VAE, library="diffusers")
+    target = os.path.join(os.path.dirname(unet_path), f"sd-pipeline-{os.path.basename(unet_path)}")
+    if os.path.isfile(os.path.join(target, "sd-ldm.safetensors")):
+        return target
+    os.makedirs(os.path.join(target, "scheduler"), exist_ok=True)
+    for name, source in (("unet", unet_path), ("vae", vae_path)):
+        if not os.path.exists(os.path.join(target, name)):
+            os.symlink(source, os.path.join(target, name))
+    with open(os.path.join(target, "scheduler", "scheduler_config.json"), "w") as f:
+        json.dump({"_class_name": "PNDMScheduler", "skip_prk_steps": True, "steps_offset": 1}, f)
+    with open(os.path.join(target, "model_index.json"), "w") as f:
+        json.dump({"_class_name": "StableDiffusionPipeline", "unet": ["diffusers", "UNet2DConditionModel"],
+                   "vae": ["diffusers", "AutoencoderKL"], "scheduler": ["diffusers", "PNDMScheduler"],
+                   "text_encoder": [None, None], "tokenizer": [None, None], "safety_checker": [None, None],
+                   "feature_extractor": [None, None], "requires_safety_checker": False}, f)
+    with open(os.path.join(unet_path, "config.json")) as f:
+        unet_config = json.load(f)
+    ldm = {original_format.unet_key(k, unet_config): v
+           for k, v in load_file(os.path.join(unet_path, "diffusion_pytorch_model.safetensors")).items()}
+    ldm.update({"first_stage_model." + original_format.vae_key(k, len(VAE["up_block_types"])):
+                original_format.vae_value(k, v)
+                for k, v in load_file(os.path.join(vae_path, "diffusion_pytorch_model.safetensors")).items()})
+    save_file(ldm, os.path.join(target, "sd-ldm.safetensors.partial"))
+    os.rename(os.path.join(target, "sd-ldm.safetensors.partial"), os.path.join(target, "sd-ldm.safetensors"))
+    return target
+
+
+def measure(path, call, mode, prime, pipeline):
+    return script_result(_CHILD, (path, call, prime, _ADAPTERS, pipeline), mode, call)
 
 
 def main(argv=None) -> int:
@@ -110,23 +159,27 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     path = bench.cached_checkpoint("sd-unet-0.6x", "UNet2DConditionModel", UNET, library="diffusers")
     size = sum(os.path.getsize(os.path.join(path, f)) for f in os.listdir(path) if f.endswith(".safetensors"))
-    prime = 2 * size + (256 << 20) if args.memory == "primed" else 0
-    print(f"source UNet {size / 1e9:.2f} GB; memory {args.memory}; {args.repeats} runs per mode, alternating")
+    pipeline = pipeline_directory(path) if "pipeline" in args.cases else ""
+    largest = max(size, os.path.getsize(os.path.join(pipeline, "sd-ldm.safetensors")) if pipeline else 0)
+    prime = 2 * largest + (256 << 20) if args.memory == "primed" else 0
+    print(f"source UNet {size / 1e9:.2f} GB" + (f", pipeline file {largest / 1e9:.2f} GB" if pipeline else "")
+          + f"; memory {args.memory}; {args.repeats} runs per mode, alternating")
     print(f"{'case':<20} {'unpatched s':>12} {'patched s':>10} {'ratio':>7}  runs (unpatched | patched)")
     patched = {}
     for case in args.cases.split(","):
         runs = {"unpatched": [], "patched": []}
         for _ in range(args.repeats):
             for mode in runs:
-                runs[mode].append(measure(path, CASES[case], mode, prime))
+                runs[mode].append(measure(path, CASES[case], mode, prime, pipeline))
         medians = {mode: statistics.median(r["seconds"] for r in results) for mode, results in runs.items()}
         patched[case] = medians["patched"]
         assert runs["patched"][0]["technique"], f"{case}: the patched call was not accelerated"
         shown = " | ".join(" ".join(f"{r['seconds']:.2f}" for r in runs[mode]) for mode in runs)
         print(f"{case:<20} {medians['unpatched']:>12.3f} {medians['patched']:>10.3f} "
               f"{medians['unpatched'] / medians['patched']:>6.1f}x  {shown}", flush=True)
-    if {"single-file", "from-pretrained"} <= patched.keys():
-        print(f"single-file / from_pretrained, both patched: {patched['single-file'] / patched['from-pretrained']:.2f}")
+    for single, pretrained in (("single-file", "from-pretrained"), ("pipeline-single-file", "pipeline-from-pretrained")):
+        if {single, pretrained} <= patched.keys():
+            print(f"{single} / {pretrained}, both patched: {patched[single] / patched[pretrained]:.2f}")
     return 0
 
 

@@ -105,6 +105,8 @@ TARGETS: tuple[Target, ...] = (
     )),
     Target("mindone.diffusers.loaders.single_file_model", "FromOriginalModelMixin.from_single_file",
            _BUILD_THEN_FILL, public=True),
+    Target("mindone.diffusers.loaders.single_file", "FromSingleFileMixin.from_single_file",
+           "ms_loadpatch.glue.build_then_fill:adopting_pipeline_file", public=True),
     # the transformers text encoders a pipeline's from_single_file builds from the file (as its module calls them)
     *(Target("mindone.diffusers.loaders.single_file", function, _BUILD_THEN_FILL, public=True) for function in (
         "create_diffusers_clip_model_from_ldm", "create_diffusers_t5_model_from_checkpoint")),

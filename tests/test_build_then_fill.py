@@ -176,25 +176,6 @@ def test_half_precision_source(dtype):
 # -- from_single_file: a diffusers-format file, and an original-format (LDM) one that goes through key conversion
 
 
-def _ldm_vae_key(key: str, up_blocks: int) -> str:
-    """The original (LDM) name of a diffusers AutoencoderKL key: the inverse
-    of mindone's convert_ldm_vae_checkpoint, for tests."""
-    import re
-
-    for old, new in (("conv_norm_out", "norm_out"), ("mid_block.resnets.0", "mid.block_1"),
-                     ("mid_block.resnets.1", "mid.block_2"), ("mid_block.attentions.0", "mid.attn_1"),
-                     ("conv_shortcut", "nin_shortcut"), ("group_norm", "norm"), ("to_q", "q"), ("to_k", "k"),
-                     ("to_v", "v"), ("to_out.0", "proj_out"), ("downsamplers.0", "downsample"),
-                     ("upsamplers.0", "upsample")):
-        key = key.replace(old, new)
-    key = re.sub(r"down_blocks\.(\d+)\.resnets", r"down.\1.block", key)
-    key = re.sub(r"down_blocks\.(\d+)\.downsample", r"down.\1.downsample", key)
-    key = re.sub(r"up_blocks\.(\d+)\.(resnets|upsample)",
-                 lambda m: f"up.{up_blocks - 1 - int(m.group(1))}.{'block' if m.group(2) == 'resnets' else 'upsample'}",
-                 key)
-    return key
-
-
 @pytest.fixture(scope="module")
 def single_files(tmp_path_factory):
     """Diffusers-format single files of the tiny UNet and VAE (with their
@@ -208,13 +189,11 @@ def single_files(tmp_path_factory):
         md.UNet2DConditionModel(**tiny_unet()).save_pretrained(root / "unet")
         vae = md.AutoencoderKL(**tiny_vae())
         vae.save_pretrained(root / "vae")
+    from ms_loadpatch.tools import original_format
+
     up_blocks = len(tiny_vae()["up_block_types"])
-    ldm = {}
-    for name, param in vae.parameters_and_names():
-        value = param.asnumpy()
-        if ".attentions." in name and name.endswith("weight") and value.ndim == 2:
-            value = value[:, :, None, None]  # LDM attention projections are 1x1 convolutions
-        ldm[_ldm_vae_key(name, up_blocks)] = value
+    ldm = {original_format.vae_key(name, up_blocks): original_format.vae_value(name, param.asnumpy())
+           for name, param in vae.parameters_and_names()}
     save_file(ldm, str(root / "vae-ldm.safetensors"))
     return root, vae
 
@@ -275,7 +254,7 @@ def test_single_file_reads_into_the_model(single_files, monkeypatch):
     assert adopted.keys() == params.keys()
     assert all(params[name].data_ptr() == adopted[name].data_ptr() for name in params)
     buffers = {p.data_ptr() for p in adopted.values()}
-    assert len(buffers) == len(adopted) and 0 not in buffers  # views into one read buffer, each its own place
+    assert len(buffers) == len(adopted) and 0 not in buffers  # each tensor in a buffer of its own
 
 
 def test_source_parameters_shared_into_the_model_are_left_as_they_are():

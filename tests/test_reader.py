@@ -43,24 +43,34 @@ def odd_file(tmp_path):
     return path
 
 
-def _assert_as_safetensors_reads(path):
+def _assert_as_safetensors_reads(path, separate=False):
     expected = load_file(path)
-    arrays, metadata = read_arrays(path)
+    arrays, metadata = read_arrays(path, separate=separate)
     assert metadata == {"format": "np"}
     assert set(arrays) == set(expected)
     for name, array in expected.items():
         got = arrays[name]
         assert got.dtype == array.dtype and got.shape == array.shape, name
         assert got.tobytes() == array.tobytes(), name
+    owners = {id(_owner(array)) for array in arrays.values()}
+    assert len(owners) == (len(arrays) if separate else 1)  # a buffer per tensor, or one for the file
 
 
+def _owner(array):
+    while array.base is not None:
+        array = array.base
+    return array
+
+
+@pytest.mark.parametrize("separate", [False, True])
 @pytest.mark.parametrize("threads", [1, 2, 3, 8])
-def test_chunked_read_matches_safetensors(chunked, odd_file, monkeypatch, threads):
+def test_chunked_read_matches_safetensors(chunked, odd_file, monkeypatch, threads, separate):
     monkeypatch.setattr(threaded_read, "read_threads", lambda: threads)
-    _assert_as_safetensors_reads(odd_file)
+    _assert_as_safetensors_reads(odd_file, separate)
 
 
-def test_short_reads_are_continued(chunked, odd_file, monkeypatch):
+@pytest.mark.parametrize("separate", [False, True])
+def test_short_reads_are_continued(chunked, odd_file, monkeypatch, separate):
     """One read(2) returns at most about 2 GiB on Linux, so a large shard
     always comes in several reads; here every read returns at most 777 bytes."""
     real = os.preadv
@@ -72,15 +82,16 @@ def test_short_reads_are_continued(chunked, odd_file, monkeypatch):
         return real(fd, [view[:777]], offset)
 
     monkeypatch.setattr(threaded_read.os, "preadv", short_preadv)
-    _assert_as_safetensors_reads(odd_file)
+    _assert_as_safetensors_reads(odd_file, separate)
     assert len(calls) > os.path.getsize(odd_file) // 777  # really read in pieces
 
 
-def test_without_preadv_reads_in_one_thread(chunked, odd_file, monkeypatch):
+@pytest.mark.parametrize("separate", [False, True])
+def test_without_preadv_reads_in_one_thread(chunked, odd_file, monkeypatch, separate):
     """Platforms without os.preadv (Windows) take the seek-and-read path."""
     monkeypatch.delattr(threaded_read.os, "preadv")
     monkeypatch.setattr(threaded_read, "run_in_threads", None)  # would fail if chunk threads were started
-    _assert_as_safetensors_reads(odd_file)
+    _assert_as_safetensors_reads(odd_file, separate)
 
 
 @pytest.mark.parametrize("threads", [1, 3])
@@ -105,6 +116,11 @@ def test_file_ending_early_in_a_chunk_is_refused(chunked, odd_file, monkeypatch,
         read_arrays(odd_file)
     assert raised.value.path == odd_file
     assert f"read 1000 of {end - header.data_start} data bytes" in str(raised.value)
+    with pytest.raises(CheckpointError) as raised:  # a buffer per tensor: the tensor the file ends in is named
+        read_arrays(odd_file, separate=True)
+    assert raised.value.path == odd_file
+    (name, (_, _, begin, stop)), = [(n, e) for n, e in header.entries.items() if e[2] <= 1000 < e[3]]
+    assert f"read {1000 - begin} of {stop - begin} bytes of tensor {name!r}" in str(raised.value)
 
 
 def test_patched_load_with_chunked_reads_is_identical(chunked, tmp_path, cpu_kernels, monkeypatch):

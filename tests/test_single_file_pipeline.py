@@ -7,8 +7,6 @@ and unpatched calls in one process, from the same random state (load_both)."""
 
 from __future__ import annotations
 
-import re
-
 import mindspore as ms
 import numpy as np
 import pytest
@@ -17,49 +15,9 @@ from _helpers import tiny_unet, tiny_vae
 import mindone.diffusers as md
 import ms_loadpatch
 from ms_loadpatch.testing import assert_same_model, load_both
+from ms_loadpatch.tools import original_format
 
 pytestmark = pytest.mark.usefixtures("cpu_kernels", "plugin_enabled")
-
-_RESNET = (("norm1", "in_layers.0"), ("conv1", "in_layers.2"), ("norm2", "out_layers.0"), ("conv2", "out_layers.3"),
-           ("time_emb_proj", "emb_layers.1"), ("conv_shortcut", "skip_connection"))
-_UNET_TOP = (("time_embedding.linear_1", "time_embed.0"), ("time_embedding.linear_2", "time_embed.2"),
-             ("conv_in", "input_blocks.0.0"), ("conv_norm_out", "out.0"), ("conv_out", "out.2"))
-
-
-def ldm_unet_key(key: str, config: dict) -> str:
-    """The original (LDM) name of a diffusers UNet2DConditionModel key, for
-    any number of blocks and layers: the inverse of mindone's
-    convert_ldm_unet_checkpoint (test_ldm_unet_converts_to_the_saved_unet checks it)."""
-    layers = config["layers_per_block"]
-    up_has_attention = [kind.startswith("CrossAttn") for kind in config["up_block_types"]]
-
-    def resnet(rest):
-        return next((new + rest[len(old):] for old, new in _RESNET if rest.startswith(old + ".")), rest)
-
-    def part(kind, rest):
-        return "0." + resnet(rest) if kind == "resnets" else "1." + rest
-
-    for old, new in _UNET_TOP:
-        if key.startswith(old + "."):
-            return f"model.diffusion_model.{new}{key[len(old):]}"
-    if m := re.fullmatch(r"down_blocks\.(\d+)\.(resnets|attentions)\.(\d+)\.(.*)", key):
-        return f"model.diffusion_model.input_blocks.{(layers + 1) * int(m[1]) + int(m[3]) + 1}.{part(m[2], m[4])}"
-    if m := re.fullmatch(r"down_blocks\.(\d+)\.downsamplers\.0\.conv\.(.*)", key):
-        return f"model.diffusion_model.input_blocks.{(layers + 1) * (int(m[1]) + 1)}.0.op.{m[2]}"
-    if m := re.fullmatch(r"mid_block\.(resnets|attentions)\.(\d+)\.(.*)", key):
-        index = 2 * int(m[2]) if m[1] == "resnets" else 1
-        return f"model.diffusion_model.middle_block.{index}.{part(m[1], m[3])[2:]}"
-    if m := re.fullmatch(r"up_blocks\.(\d+)\.(resnets|attentions)\.(\d+)\.(.*)", key):
-        return f"model.diffusion_model.output_blocks.{(layers + 1) * int(m[1]) + int(m[3])}.{part(m[2], m[4])}"
-    if m := re.fullmatch(r"up_blocks\.(\d+)\.upsamplers\.0\.(.*)", key):
-        block = int(m[1])
-        return f"model.diffusion_model.output_blocks.{(layers + 1) * block + layers}.{2 if up_has_attention[block] else 1}.{m[2]}"
-    raise KeyError(key)
-
-
-def _hf_name(name: str) -> str:
-    return name.replace("embedding_table", "weight")  # mindspore's nn.Embedding; the file has torch's name
-
 
 @pytest.fixture(scope="module")
 def ldm_pipeline(tmp_path_factory):
@@ -70,7 +28,6 @@ def ldm_pipeline(tmp_path_factory):
 
     import mindone.transformers as mt
     from ms_loadpatch.testing import cpu_kernel_fallbacks
-    from test_build_then_fill import _ldm_vae_key
 
     root = tmp_path_factory.mktemp("ldm-pipeline")
     unet_config = {k: list(v) if isinstance(v, tuple) else v for k, v in tiny_unet().items()}
@@ -82,19 +39,17 @@ def ldm_pipeline(tmp_path_factory):
         md.StableDiffusionPipeline(vae=vae, text_encoder=text_encoder, tokenizer=None, unet=unet,
                                    scheduler=md.PNDMScheduler(), safety_checker=None, feature_extractor=None,
                                    requires_safety_checker=False).save_pretrained(str(root / "config"))
-    ldm = {ldm_unet_key(name, unet_config): p.asnumpy() for name, p in unet.parameters_and_names()}
-    for name, param in vae.parameters_and_names():
-        value = param.asnumpy()
-        if ".attentions." in name and name.endswith("weight") and value.ndim == 2:
-            value = value[:, :, None, None]  # LDM attention projections are 1x1 convolutions
-        ldm["first_stage_model." + _ldm_vae_key(name, len(tiny_vae()["up_block_types"]))] = value
-    for name, param in text_encoder.parameters_and_names():
-        ldm["cond_stage_model.transformer." + _hf_name(name)] = param.asnumpy()
+    ldm = {original_format.unet_key(name, unet_config): p.asnumpy() for name, p in unet.parameters_and_names()}
+    up_blocks = len(tiny_vae()["up_block_types"])
+    ldm.update({"first_stage_model." + original_format.vae_key(name, up_blocks): original_format.vae_value(name, p.asnumpy())
+                for name, p in vae.parameters_and_names()})
+    ldm.update({original_format.text_encoder_key(name): p.asnumpy() for name, p in text_encoder.parameters_and_names()})
     save_file(ldm, str(root / "sd-ldm.safetensors"))
     return root, unet, text_encoder
 
 
 def test_ldm_unet_converts_to_the_saved_unet(ldm_pipeline):
+    """original_format.unet_key is the inverse of mindone's conversion: the file converts back to the UNet."""
     root, unet, _ = ldm_pipeline
     with ms_loadpatch.disabled():
         loaded = md.UNet2DConditionModel.from_single_file(str(root / "sd-ldm.safetensors"),
@@ -124,6 +79,27 @@ def test_pipeline_same_components_as_unpatched(ldm_pipeline):
     report = ms_loadpatch.last_report()
     assert report.technique.startswith("from_single_file") and report.model_class in ("UNet2DConditionModel",
                                                                                       "AutoencoderKL")
+
+
+def test_pipeline_file_read_into_the_components(ldm_pipeline, monkeypatch):
+    """The pipeline reads its file once: every tensor becomes a Parameter
+    over its own read buffer, and the UNet's parameters alias them (what
+    the pipeline does not keep, here the text encoder's, is freed)."""
+    from ms_loadpatch import versions
+    from ms_loadpatch.glue import diffusers as glue
+
+    root, unet, text_encoder = ldm_pipeline
+    assert versions.techniques().adoption_problem is None
+    adopted = {}
+    real = glue.adopted_parameter
+    monkeypatch.setattr(glue, "adopted_parameter", lambda array, name: adopted.setdefault(name, real(array, name)))
+    pipeline = _pipeline(root, text_encoder=text_encoder)
+    assert any(name.startswith("cond_stage_model.") for name in adopted)
+    unet_config = dict(pipeline.unet.config)
+    by_ldm_name = {original_format.unet_key(name, unet_config): p for name, p in pipeline.unet.parameters_and_names()}
+    assert by_ldm_name.keys() <= adopted.keys()
+    if all(p.data_ptr() for p in by_ldm_name.values()):  # 0 on mindspore 2.7 for a host tensor
+        assert all(p.data_ptr() == adopted[name].data_ptr() for name, p in by_ldm_name.items())
 
 
 def test_clip_from_the_file_fails_as_unpatched(ldm_pipeline):
@@ -156,7 +132,9 @@ def t5_checkpoint(tmp_path_factory):
     with ms_loadpatch.disabled():
         t5 = mt.T5EncoderModel(hf.T5Config(vocab_size=64, d_model=8, d_kv=4, d_ff=16, num_layers=1, num_heads=2))
         t5.save_pretrained(str(root / "text_encoder_3"))
-    return root, {"text_encoders.t5xxl.transformer." + _hf_name(name): p.asnumpy() for name, p in t5.parameters_and_names()}
+    # torch's Embedding `weight` for mindspore's `embedding_table`
+    return root, {"text_encoders.t5xxl.transformer." + name.replace("embedding_table", "weight"): p.asnumpy()
+                  for name, p in t5.parameters_and_names()}
 
 
 @pytest.mark.parametrize("dtype", [None, "float16"])

@@ -36,11 +36,24 @@ _inside = threading.local()
 
 def adopting_checkpoint() -> bool:
     """Whether a checkpoint read in this thread now may become Parameters over
-    the read buffer (strategy.tensors.adopted_parameter): inside an
-    accelerated from_single_file, whose lazy window is open, on a mindspore
-    where the adoption probe passed. mindone copies each into the model's
-    parameters by set_data, which aliases it: the read buffer is the model's."""
-    return getattr(_inside, "call", None) == "from_single_file" and versions.techniques().adoption_problem is None
+    the read tensors (strategy.tensors.adopted_parameter): inside an
+    accelerated from_single_file of a model, or a pipeline's from_single_file
+    (which reads the file once for every component), on a mindspore where
+    the adoption probe passed. mindone copies each into the model's
+    parameters by set_data, which aliases it: the read tensor is the model's."""
+    inside = getattr(_inside, "call", None) == "from_single_file" or getattr(_inside, "pipeline_file", False)
+    return inside and versions.techniques().adoption_problem is None
+
+
+def adopting_pipeline_file(wrapped, instance, args, kwargs):
+    """The wrapper of a pipeline's from_single_file: the call as it is, its
+    file read for adoption (adopting_checkpoint); each component's own
+    from_single_file is accelerated by built_then_filled."""
+    outer, _inside.pipeline_file = getattr(_inside, "pipeline_file", False), True
+    try:
+        return wrapped(*args, **kwargs)
+    finally:
+        _inside.pipeline_file = outer
 
 
 def _source_parameters(args, kwargs, into=None) -> set:

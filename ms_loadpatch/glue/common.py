@@ -125,12 +125,13 @@ def float_(wrapped, instance, args, kwargs):
 # -- inside an accelerated load
 
 
-def read_checkpoint(ctx, path):
+def read_checkpoint(ctx, path, separate=False):
     """(arrays, metadata, cast_at_read) of one file: within the load `ctx`,
     the prefetched read if there is one, counted in its report, its keys and
-    name kept for the index check and errors; outside a load, read now."""
+    name kept for the index check and errors; outside a load, read now
+    (`separate`: a buffer per tensor)."""
     if ctx is None:
-        return read_file(path)
+        return read_file(path, separate=separate)
     with ctx.report.phase("read"):
         arrays, metadata, cast_at_read = take_or_read(ctx, path)
     ctx.report.tensors_read += len(arrays)

@@ -137,15 +137,17 @@ def load_state_dict(wrapped, instance, args, kwargs):
     ):
         return wrapped(*args, **kwargs)
     ctx = _active()
+    # Parameters over the read tensors, each in a buffer of its own: what the model does not keep is freed
+    adopting = ctx is None and build_then_fill.adopting_checkpoint()
     try:
-        arrays, _metadata, cast_at_read = common.read_checkpoint(ctx, checkpoint_file)
+        arrays, _metadata, cast_at_read = common.read_checkpoint(ctx, checkpoint_file, separate=adopting)
     except CheckpointError as refused:
         logger.debug("ms_loadpatch: %s left to mindone: %s", checkpoint_file, refused)
         # mindone's error, with the file, tensor and reason its message lacks (git-lfs: even the file)
         with file_named_in_errors(checkpoint_file, reason=refused):
             return wrapped(*args, **kwargs)
     if ctx is None:
-        make = adopted_parameter if build_then_fill.adopting_checkpoint() else ms.Parameter
+        make = adopted_parameter if adopting else ms.Parameter
         return {name: make(array, name=name) for name, array in arrays.items()}
     return common.tensors_of(ctx, arrays, cast_at_read)
 

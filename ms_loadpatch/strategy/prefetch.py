@@ -178,11 +178,12 @@ def local_checkpoint_files(candidates) -> CheckpointFiles:
     return CheckpointFiles()
 
 
-def read_file(path, cast_plan=None, threads=None, stop=None, staging=None):
+def read_file(path, cast_plan=None, threads=None, stop=None, staging=None, separate=False):
     """(arrays, metadata, cast_at_read) of one file: castread.read_cast with
-    a plan, else reader.read_arrays (nothing cast while reading)."""
+    a plan, else reader.read_arrays (nothing cast while reading; `separate`:
+    a buffer per tensor)."""
     if cast_plan is None:
-        return (*read_arrays(path, threads, stop), {})
+        return (*read_arrays(path, threads, stop, separate), {})
     return read_cast(path, cast_plan, threads, stop, staging)
 
 

@@ -156,6 +156,38 @@ def read_into(fd: int, buffer: np.ndarray, offset: int, threads: int | None = No
     return len(view)
 
 
+def read_parts(fd: int, parts, threads: int | None = None, stop=None, what="a read") -> list:
+    """Read each (byte buffer, file offset) of `parts` in full, the parts
+    split across threads in runs of about equal bytes; the count read into
+    each. `stop` (an Event) ends it early with ReadStopped."""
+    threads = read_threads() if threads is None else threads
+    views = [(memoryview(buffer).cast("B"), offset) for buffer, offset in parts]
+    if not hasattr(os, "preadv"):
+        return [_seek_read_into(fd, view, offset, stop) for view, offset in views]
+    total = sum(len(view) for view, _ in views)
+    if threads <= 1 or total < PARALLEL_READ_MIN_BYTES:
+        return [_pread_into(fd, view, offset, stop) for view, offset in views]
+    runs, run, size, share = [], [], 0, -(-total // threads)
+    for index, (view, _offset) in enumerate(views):
+        run.append(index)
+        size += len(view)
+        if size >= share:
+            runs.append(run)
+            run, size = [], 0
+    if run:
+        runs.append(run)
+    run_stop = threading.Event()
+    if stop is not None and stop.is_set():
+        raise ReadStopped()
+
+    def read_run(indices):
+        either = _Either(stop, run_stop)
+        return [_pread_into(fd, views[i][0], views[i][1], either) for i in indices]
+
+    counts = run_in_threads([lambda r=r: read_run(r) for r in runs], "ms_loadpatch-read-part", run_stop, what)
+    return [count for run_counts in counts for count in run_counts]
+
+
 class _Either:
     """is_set() of either of two Events (the load's stop, or a sibling chunk's failure)."""
 
