@@ -175,6 +175,17 @@ def cpu_kernel_fallbacks():
         ms.set_rng_state(ms.Tensor(moved))
         return ms.Tensor(values.astype(np.float32), dtype=kwargs.get("dtype") or ms.float32)
 
+    def stack_(wrapped, instance, args, kwargs):
+        tensors = args[0] if args else kwargs["tensors"]
+        return ops.stack(tensors, args[1] if len(args) > 1 else kwargs.get("dim", 0))
+
+    def outer(wrapped, instance, args, kwargs):
+        first, second = args[0], args[1]
+        return first.reshape(-1, 1) * second.reshape(1, -1)
+
+    def ones_like(wrapped, instance, args, kwargs):
+        return ops.ones(tuple(args[0].shape), kwargs.get("dtype") or args[0].dtype)
+
     def embedding(wrapped, instance, args, kwargs):
         input_ids, weight = args[0], args[1]
         return ops.gather(weight, input_ids, 0)
@@ -199,6 +210,9 @@ def cpu_kernel_fallbacks():
     with contextlib.ExitStack() as stack:
         stack.enter_context(wrapt.scoped_function_wrapper(mint, "arange", arange))
         stack.enter_context(wrapt.scoped_function_wrapper(mint, "randn", randn))
+        stack.enter_context(wrapt.scoped_function_wrapper(mint, "stack", stack_))
+        stack.enter_context(wrapt.scoped_function_wrapper(mint, "outer", outer))
+        stack.enter_context(wrapt.scoped_function_wrapper(mint, "ones_like", ones_like))
         stack.enter_context(wrapt.scoped_function_wrapper(ms.Tensor, "normal_", normal_))
         stack.enter_context(wrapt.scoped_function_wrapper(ms.Tensor, "zero_", zero_))
         stack.enter_context(wrapt.scoped_function_wrapper(ops, "embedding", embedding))

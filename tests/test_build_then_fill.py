@@ -1,10 +1,12 @@
-"""Calls that build then fill (glue/build_then_fill.py): ControlNetModel and
-SparseControlNetModel `from_unet`, FluxControlNetModel `from_transformer`,
-UNetMotionModel `from_unet2d`, and `from_single_file` (diffusers-format and
-original-format files). Patched and unpatched calls in one process, from the same random state (load_both): the
+"""Calls that build then fill (glue/build_then_fill.py): ControlNetModel,
+SparseControlNetModel, ControlNetUnionModel, ControlNetXSAdapter and
+UNetControlNetXSModel `from_unet`; the Flux, SD3, HunyuanDiT and QwenImage
+ControlNets' `from_transformer`; UNetMotionModel `from_unet2d`; and
+`from_single_file` (diffusers-format and original-format files). Patched and
+unpatched calls in one process, from the same random state (load_both): the
 same model (names, shapes, dtypes, bits, parameter metadata, cell state),
-numpy's and Python's generators left alike, the copies aliasing the same
-source tensors; a call failing halfway leaves the process as it was."""
+numpy's, Python's and mindspore's generators left alike, the copies aliasing
+the same source tensors; a call failing halfway leaves the process as it was."""
 
 from __future__ import annotations
 
@@ -27,7 +29,7 @@ def unets():
 
     with ms_loadpatch.disabled(), cpu_kernel_fallbacks():
         return {"tiny": md.UNet2DConditionModel(**_unet_config()), "wide": md.UNet2DConditionModel(**_wide_config()),
-                "flux": _tiny_flux(), "xl": md.UNet2DConditionModel(**_xl_config()),
+                "flux": _tiny_flux(), "xl": md.UNet2DConditionModel(**_xl_config()), **_tiny_transformers(),
                 "xs": md.UNet2DConditionModel(**dict(_unet_config(), layers_per_block=2, use_linear_projection=True))}
 
 
@@ -63,6 +65,22 @@ def _tiny_flux():
                                      pooled_projection_dim=8, axes_dims_rope=(2, 2, 4))
 
 
+def _tiny_transformers():
+    """SD3 (two layers: its last is context-only), HunyuanDiT (the pooled
+    width its ControlNet assumes), QwenImage; their CPU kernels come from cpu_kernel_fallbacks."""
+    return {
+        "sd3": md.SD3Transformer2DModel(sample_size=8, patch_size=1, in_channels=4, num_layers=2, attention_head_dim=8,
+                                        num_attention_heads=2, joint_attention_dim=8, caption_projection_dim=16,
+                                        pooled_projection_dim=8, out_channels=4),
+        "hunyuan": md.HunyuanDiT2DModel(sample_size=8, patch_size=2, in_channels=4, num_layers=2, attention_head_dim=8,
+                                        num_attention_heads=2, cross_attention_dim=8, cross_attention_dim_t5=8,
+                                        pooled_projection_dim=1024, hidden_size=16, text_len=4, text_len_t5=4),
+        "qwen": md.QwenImageTransformer2DModel(patch_size=2, in_channels=16, out_channels=4, num_layers=1,
+                                               attention_head_dim=8, num_attention_heads=2, joint_attention_dim=16,
+                                               axes_dims_rope=(2, 2, 4)),
+    }
+
+
 CASES = {
     "controlnet": ("tiny", lambda unet: md.ControlNetModel.from_unet(unet)),
     "controlnet-random": ("tiny", lambda unet: md.ControlNetModel.from_unet(unet, load_weights_from_unet=False)),
@@ -70,6 +88,12 @@ CASES = {
     "motion": ("wide", lambda unet: md.UNetMotionModel.from_unet2d(unet)),
     "flux-controlnet": ("flux", lambda flux: md.FluxControlNetModel.from_transformer(
         flux, num_layers=1, num_single_layers=1, attention_head_dim=8, num_attention_heads=2)),
+    "sd3-controlnet": ("sd3", lambda sd3: md.SD3ControlNetModel.from_transformer(sd3, num_layers=1)),
+    # mindone reads `transformer_num_layers`, which HunyuanDiT2DModel's config does not have
+    "hunyuan-controlnet": ("hunyuan", lambda dit: md.HunyuanDiT2DControlNetModel.from_transformer(
+        dit, transformer_num_layers=2)),
+    "qwen-controlnet": ("qwen", lambda qwen: md.QwenImageControlNetModel.from_transformer(
+        qwen, num_layers=1, attention_head_dim=8, num_attention_heads=2)),
     # copies with Cell.load_state_dict (assign_value: lazy_writes); a mint.randn parameter
     "union-controlnet": ("xl", lambda unet: md.ControlNetUnionModel.from_unet(
         unet, conditioning_embedding_out_channels=(4, 8))),
@@ -80,7 +104,8 @@ CASES = {
         unet, size_ratio=1, ctrl_optional_kwargs=dict(conditioning_embedding_out_channels=(4, 8)))),
 }
 # the calls whose copies alias the source's tensors under the same names (load_param_into_net)
-ALIASING = ("controlnet", "sparse-controlnet", "motion", "flux-controlnet", "xs-unet")
+ALIASING = ("controlnet", "sparse-controlnet", "motion", "flux-controlnet", "sd3-controlnet", "hunyuan-controlnet",
+            "qwen-controlnet", "xs-unet")
 
 
 @pytest.mark.parametrize("case", [pytest.param("controlnet", marks=pytest.mark.matrix),

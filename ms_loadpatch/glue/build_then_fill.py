@@ -1,14 +1,18 @@
-"""mindone.diffusers' calls that build a model with every initializer run
-and then fill it: from another model (`ControlNetModel.from_unet`,
-`SparseControlNetModel.from_unet`, `FluxControlNetModel.from_transformer`,
-`UNetMotionModel.from_unet2d`) or from one checkpoint file
-(`FromOriginalModelMixin.from_single_file`, for every model class it serves).
+"""mindone's calls that build a model (or layers of one) with every
+initializer run and then fill it (targets.py lists them):
+- from another model: the ControlNets' `from_unet` / `from_transformer`,
+  `UNetMotionModel.from_unet2d`;
+- from one checkpoint file: `FromOriginalModelMixin.from_single_file` for
+  every model class it serves, and the CLIP / T5 text encoders a pipeline's
+  from_single_file builds;
+- into a loaded model: IP adapters, LoRA (`load_lora_adapter`,
+  `load_adapter`), and `PeftModel.from_pretrained`.
 
 Each builds with `cls(...)` or `cls.from_config(...)`, then copies weights
 with `ms.load_param_into_net` (the copies alias the source's tensors, or the
-checkpoint's Parameters) and zeroes some blocks with
-`set_data(initializer("zeros", ...))`. Accelerated, the call runs as it is
-inside a lazy build whose parameters take their random draws when made
+checkpoint's Parameters) or `Cell.load_state_dict`, and zeroes some blocks
+with `set_data(initializer("zeros", ...))`. Accelerated, the call runs as it
+is inside a lazy build whose parameters take their random draws when made
 (construction.built_with_draws): copies, casts (`set_dtype`) and zeros land
 on lazy parameters, and only what stays lazy is filled, as the plain build
 fills it (in its creation dtype, then cast, as mindspore's init_data does).
