@@ -117,6 +117,7 @@ TARGETS: tuple[Target, ...] = (
     *(Target(f"mindone.diffusers.loaders.{module}", path, _BUILD_INTO_MODEL, public=True) for module, path in (
         ("unet", "UNet2DConditionLoadersMixin._load_ip_adapter_weights"),
         ("transformer_flux", "FluxTransformer2DLoadersMixin._load_ip_adapter_weights"),
+        ("unet", "UNet2DConditionLoadersMixin.load_attn_procs"),
         ("peft", "PeftAdapterMixin.load_lora_adapter"),
     )),
     Target("mindone.transformers.integrations.peft", "PeftAdapterMixin.load_adapter", _BUILD_INTO_MODEL, public=True),

@@ -1,10 +1,11 @@
 """Layers built into a loaded model and filled (glue/build_then_fill.py):
 IP adapters (UNet and Flux `_load_ip_adapter_weights`, what
 `load_ip_adapter` calls once the image encoder is loaded), LoRA in
-mindone.diffusers (`load_lora_adapter`) and mindone.transformers
-(`load_adapter`), and mindone.peft's `PeftModel.from_pretrained`. Patched and unpatched calls in one process, from the
-same random state (load_both: numpy's, Python's and mindspore's generators):
-the same model, what the adapter file lacks included."""
+mindone.diffusers (`load_lora_adapter`, the deprecated `load_attn_procs`)
+and mindone.transformers (`load_adapter`), and mindone.peft's
+`PeftModel.from_pretrained`. Patched and unpatched calls in one process,
+from the same random state (load_both: numpy's, Python's and mindspore's
+generators): the same model, what the adapter file lacks included."""
 
 from __future__ import annotations
 
@@ -99,10 +100,14 @@ def _lora_state(unet, rank=2, without=()) -> dict:
     return {key: value for key, value in state.items() if not key.endswith(tuple(without))}
 
 
-def _with_lora(**options):
+def _with_lora(attn_procs=False, **options):
     def load():
         unet = _unet()
-        unet.load_lora_adapter(_parameters(_lora_state(unet, **options)), prefix=None, adapter_name="first")
+        state = _parameters(_lora_state(unet, **options))
+        if attn_procs:  # the deprecated entry point, keys under the UNet's name
+            unet.load_attn_procs({f"unet.{key}": value for key, value in state.items()}, adapter_name="first")
+        else:
+            unet.load_lora_adapter(state, prefix=None, adapter_name="first")
         return unet
     return load
 
@@ -114,6 +119,7 @@ CASES = {
     "lora": _with_lora(),
     # lora_A is absent from the file: it keeps the kaiming draw reset_lora_parameters gives it
     "lora-without-down": _with_lora(without=("lora_A.weight",)),
+    "lora-attn-procs": _with_lora(attn_procs=True),
 }
 
 
@@ -126,6 +132,9 @@ def test_same_model_as_unpatched(case):
     assert report is not None and report.model_class == type(accelerated).__name__
     assert "draws taken when made" in report.technique
     assert (report.missing_initialised > 0) is (case == "lora-without-down")
+    if case.startswith("lora"):  # the layers are there, with the file's values
+        up = [p for n, p in accelerated.parameters_and_names() if "lora_B" in n]
+        assert up and all(p.asnumpy().std() > 0 for p in up)
     for (name, ref), (_, acc) in zip(reference.parameters_and_names(), accelerated.parameters_and_names()):
         assert ("init_param" in vars(acc)) == ("init_param" in vars(ref)), name
         assert getattr(acc, "init_mode", None) is None and not acc.has_init, name
