@@ -39,6 +39,8 @@ class Target:
     feature: str | None = None
     # an entry point users call (listed first in status), or an internal of the loading path
     public: bool = False
+    # the mindone library it is gated and listed with, where its module is in neither (mindone.peft)
+    owner: str | None = None
 
     @property
     def key(self) -> str:
@@ -48,7 +50,7 @@ class Target:
     def library(self) -> str:
         """The mindone library whose loading path this row belongs to: its
         targets are gated together (versions.Techniques.refusal_for)."""
-        return self.module.split(".")[1]
+        return self.owner or self.module.split(".")[1]
 
 
 TARGETS: tuple[Target, ...] = (
@@ -121,7 +123,8 @@ TARGETS: tuple[Target, ...] = (
         ("peft", "PeftAdapterMixin.load_lora_adapter"),
     )),
     Target("mindone.transformers.integrations.peft", "PeftAdapterMixin.load_adapter", _BUILD_INTO_MODEL, public=True),
-    Target("mindone.peft.peft_model", "PeftModel.from_pretrained", _BUILD_THEN_FILL, public=True),
+    Target("mindone.peft.peft_model", "PeftModel.from_pretrained", _BUILD_THEN_FILL, public=True,
+           owner="transformers"),
     # internals of its loading path, active only inside an accelerated from_pretrained
     Target(_DF, "no_init_parameters", f"{_DF_GLUE}:no_init_parameters"),
     Target(_DF, "ModelMixin._load_pretrained_model", f"{_DF_GLUE}:load_pretrained_model"),

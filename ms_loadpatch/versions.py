@@ -297,7 +297,7 @@ class Techniques:
                                     "the read buffer, not copies (probed against Parameter(array))",
                      "state": SKIPPED if self.adoption_problem or everywhere else ACTIVE,
                      "reason": self.adoption_problem or everywhere})
-        rows.append({"name": "lazy-assign", "libraries": ["diffusers"],
+        rows.append({"name": "lazy-assign", "libraries": list(LIBRARIES),
                      "description": "inside a call that builds then fills, assign_value into a lazy parameter "
                                     "(Cell.load_state_dict) takes a copy without the random fill it overwrites "
                                     "(probed against assign_value on a plain parameter; else filled, then assigned)",

@@ -19,6 +19,17 @@ MINDONE_MODULES = [
     "mindone.diffusers.models.controlnets.controlnet_flux",
     "mindone.diffusers.models.unets.unet_motion_model",
     "mindone.diffusers.loaders.single_file_model",
+    "mindone.diffusers.loaders.single_file",
+    "mindone.diffusers.loaders.unet",
+    "mindone.diffusers.loaders.transformer_flux",
+    "mindone.diffusers.loaders.peft",
+    "mindone.diffusers.models.controlnets.controlnet_union",
+    "mindone.diffusers.models.controlnets.controlnet_xs",
+    "mindone.diffusers.models.controlnets.controlnet_sd3",
+    "mindone.diffusers.models.controlnets.controlnet_hunyuan",
+    "mindone.diffusers.models.controlnets.controlnet_qwenimage",
+    "mindone.transformers.integrations.peft",
+    "mindone.peft.peft_model",
 ]
 
 
@@ -58,6 +69,8 @@ def original_of(obj):
     return obj.__wrapped__ if is_ours(obj) else obj
 
 
+missing = sorted({t.module for t in TARGETS} - set(sys.modules))
+assert not missing, f"MINDONE_MODULES does not import {missing}"
 originals = {t.key: original_of(current(t)) for t in TARGETS}
 rows = {}
 for t in TARGETS:

@@ -133,7 +133,7 @@ def built_with_draws(call, when_built=None, foreign=frozenset(), fast_assign=Fal
     model) are left as they are. Returns (what call returned, parameters filled here)."""
     ledger = draws.Ledger()
     try:
-        with lazy_construction(when_built=when_built, ledger=ledger), lazy_writes.assigning(fast_assign):
+        with lazy_construction(when_built=when_built, ledger=ledger), lazy_writes.assigning(fast_assign, foreign):
             result = call()
     except BaseException:
         ledger.forget()

@@ -20,7 +20,7 @@ import threading
 import numpy as np
 from mindspore import Parameter
 
-_local = threading.local()  # .fast: this thread's build takes copies
+_local = threading.local()  # .fast: this thread's build takes copies; .foreign: ids of parameters not its own
 _lock = threading.Lock()
 _users = 0
 _original = None  # Tensor's own assign_value (a Parameter's class derives from Tensor and Parameter)
@@ -28,7 +28,7 @@ _original = None  # Tensor's own assign_value (a Parameter's class derives from 
 
 def _assign_value(self, value):
     fast = getattr(_local, "fast", None)
-    if fast is None or not isinstance(self, Parameter) or not self.has_init:
+    if fast is None or not isinstance(self, Parameter) or not self.has_init or id(self) in _local.foreign:
         return _original(self, value)
     if fast and taken_as_copy(self, value):
         return self
@@ -51,8 +51,10 @@ def taken_as_copy(param, value) -> bool:
 
 
 @contextlib.contextmanager
-def assigning(fast: bool):
-    """assign_value on a lazy parameter in this thread lands, as described above."""
+def assigning(fast: bool, foreign=frozenset()):
+    """assign_value on a lazy parameter in this thread lands, as described
+    above; those whose id is in `foreign` (not made by this build) are left
+    to mindspore."""
     global _users, _original
     from mindspore import Tensor
 
@@ -61,11 +63,12 @@ def assigning(fast: bool):
             _original = vars(Tensor)["assign_value"]
             Tensor.assign_value = _assign_value
         _users += 1
-    outer, _local.fast = getattr(_local, "fast", None), fast
+    outer = getattr(_local, "fast", None), getattr(_local, "foreign", frozenset())
+    _local.fast, _local.foreign = fast, foreign
     try:
         yield
     finally:
-        _local.fast = outer
+        _local.fast, _local.foreign = outer
         with _lock:
             _users -= 1
             if _users == 0:
