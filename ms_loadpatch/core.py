@@ -16,7 +16,7 @@ import threading
 import wrapt
 
 from . import lazy_import, techniques, versions
-from .targets import TARGETS, Target
+from .targets import FROM_PRETRAINED, TARGETS, Target
 
 logger = logging.getLogger("ms_loadpatch")
 
@@ -263,7 +263,8 @@ def _library_verdict(library: str, enabled: bool, gate: versions.GateResult, tar
         verdict["reason"] = f"{skipped[0]['target']} skipped: {skipped[0]['reason']}"
         verdict["advice"] = (f"loads run mindone's own path; a tested mindspore "
                              f"({versions.tested_versions('mindspore')}) gets the fast path")
-    elif any(row["state"] == PENDING for row in own if row["public"]):  # other modules: patched on import
+    elif any(row["state"] == PENDING for row in own if row["target"] == FROM_PRETRAINED[library]):
+        # other modules' entry points (from_unet, adapters, ...) are patched when they are imported
         verdict["accelerated"] = None
         verdict["reason"] = f"mindone.{library} is not imported yet: patched, and probed, when it is"
     else:

@@ -134,3 +134,7 @@ TARGETS: tuple[Target, ...] = (
     # environment is read at call time instead
     Target(_DF, "HF_ENABLE_PARALLEL_LOADING", f"{_DF_GLUE}:ParallelLoadingFlag", kind="proxy"),
 )
+
+# the load each library's status verdict is about: pending until its module is imported
+FROM_PRETRAINED = {"transformers": f"{_TF}:PreTrainedModel.from_pretrained",
+                   "diffusers": f"{_DF}:ModelMixin.from_pretrained"}
