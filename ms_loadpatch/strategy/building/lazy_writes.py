@@ -23,7 +23,9 @@ from mindspore import Parameter
 _local = threading.local()  # .fast: this thread's build takes copies; .foreign: ids of parameters not its own
 _lock = threading.Lock()
 _users = 0
-_original = None  # Tensor's own assign_value (a Parameter's class derives from Tensor and Parameter)
+# Tensor's own assign_value (a Parameter's class derives from Tensor and Parameter); kept once
+# uninstalled, for a thread that looked the patched one up just before
+_original = None
 
 
 def _assign_value(self, value):
@@ -73,9 +75,11 @@ def assigning(fast: bool, foreign=frozenset()):
             _users -= 1
             if _users == 0:
                 Tensor.assign_value = _original
-                _original = None
 
 
 def leftovers() -> list[str]:
     """What an ended call would have left patched (for tests)."""
-    return [f"Tensor.assign_value still patched ({_users} user(s))"] if _users or _original else []
+    from mindspore import Tensor
+
+    patched = vars(Tensor).get("assign_value") is _assign_value
+    return [f"Tensor.assign_value still patched ({_users} user(s))"] if _users or patched else []
