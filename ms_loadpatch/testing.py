@@ -153,7 +153,8 @@ def assert_same_model(reference, accelerated, skip_values=()) -> None:
 @contextlib.contextmanager
 def cpu_kernel_fallbacks():
     """mindspore's CPU wheel lacks some kernels mindone calls (`Arange` behind
-    `mint.arange` and `Randn` behind `mint.randn` while building models; `InplaceNormal` and
+    `mint.arange`, `InplaceNormal` behind `mint.randn`, `StackExt`, `Outer` and
+    `OnesLikeExt` behind `mint.stack` / `outer` / `ones_like` while building models; `InplaceNormal` and
     `InplaceZero` behind `Tensor.normal_` / `zero_` in the `_init_weights` of Qwen3-MoE, Qwen2-MoE, OLMoE,
     DeepSeek-V2 and others; `Embedding` and `RmsNorm` in forward passes).
     Route them to equivalent ops for the duration; apply it to both sides of
@@ -167,7 +168,8 @@ def cpu_kernel_fallbacks():
 
     def randn(wrapped, instance, args, kwargs):
         # values from mindspore's default generator's state, which then moves on, as mint.randn's do
-        shape = tuple(args[0]) if len(args) == 1 and isinstance(args[0], (tuple, list)) else tuple(args)
+        size = args if args else kwargs.get("size", ())
+        shape = tuple(size[0]) if len(size) == 1 and isinstance(size[0], (tuple, list)) else tuple(size)
         state = ms.get_rng_state().asnumpy()
         values = np.random.default_rng(int.from_bytes(state.tobytes(), "little")).standard_normal(shape)
         offset = (int.from_bytes(state[8:].tobytes(), "little") + values.size) % 2 ** 64
