@@ -11,15 +11,16 @@ yardsticks of the single-file loads.
 The UNet is Stable Diffusion 1.5's layout at 0.6x its width
 (block_out_channels 192-384-768-768, 1.26 GB in fp32), generated once into
 the cache; the other cases load it with from_pretrained before the timed
-part (and make the adapter's tensors there). The timed part is the call and a read of every page of the result;
-with --memory primed (default) memory is faulted in and freed first.
+part (and make the adapter's tensors there). The timed part is the call
+and a read of every page of the result; with --memory primed (default)
+memory is faulted in and freed first.
 
     python benchmarks/bench_build_then_fill.py                          # every case, 3 runs each
     python benchmarks/bench_build_then_fill.py --cases controlnet --repeats 5 --memory as-is
 
 Targets: from_unet at least 5x, from_unet2d at least 2x faster patched;
-single-file at least 2.5x, and within 1.25x of the patched from_pretrained;
-no case slower patched.
+single-file (model and pipeline) at least 2.5x, and within 1.25x of the
+patched from_pretrained; no case slower patched.
 """
 
 from __future__ import annotations
