@@ -132,24 +132,17 @@ def run_in_threads(calls, name: str, stop, what: str) -> list:
 
 def read_into(fd: int, buffer: np.ndarray, offset: int, threads: int | None = None, stop=None, what="a read") -> int:
     """Read len(buffer) bytes of `fd` from `offset` into `buffer`, split
-    across threads for large reads; the count read. `stop` (an Event) ends
-    it early with ReadStopped."""
+    across threads (read_parts) for large reads; the count read. `stop` (an
+    Event) ends it early with ReadStopped."""
     view = memoryview(buffer).cast("B")
     threads = read_threads() if threads is None else threads
-    if not hasattr(os, "preadv"):
-        return _seek_read_into(fd, view, offset, stop)
-    if threads <= 1 or len(view) < PARALLEL_READ_MIN_BYTES:
-        return _pread_into(fd, view, offset, stop)
-    step = -(-len(view) // threads // _ALIGN) * _ALIGN
-    bounds = [(lo, min(lo + step, len(view))) for lo in range(0, len(view), step)]
-    chunk_stop = threading.Event()
-    if stop is not None and stop.is_set():
-        raise ReadStopped()
-
-    def chunk(lo, hi):
-        return _pread_into(fd, view[lo:hi], offset + lo, _Either(stop, chunk_stop))
-
-    counts = run_in_threads([lambda b=b: chunk(*b) for b in bounds], "ms_loadpatch-read-chunk", chunk_stop, what)
+    if not hasattr(os, "preadv") or threads <= 1 or len(view) < PARALLEL_READ_MIN_BYTES:
+        bounds = [(0, len(view))]
+    else:
+        share = -(-len(view) // threads)
+        step = -(-share // _ALIGN) * _ALIGN  # at least a share: each chunk a run (a thread) of its own
+        bounds = [(lo, min(lo + step, len(view))) for lo in range(0, len(view), step)]
+    counts = read_parts(fd, [(view[lo:hi], offset + lo) for lo, hi in bounds], threads, stop, what)
     for (lo, hi), count in zip(bounds, counts):
         if count != hi - lo:  # a short chunk: the file ends inside it
             return lo + count
