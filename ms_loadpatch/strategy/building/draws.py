@@ -44,7 +44,7 @@ class _SeedTaken(Exception):
     """Raised by the patched _numpy_seed once it has taken the draw: the initializer stops before filling."""
 
 
-class _Patches:
+class SharedPatches:
     """Process-wide patches held while any thread needs them (counted under one lock)."""
 
     def __init__(self, install, uninstall):
@@ -126,8 +126,8 @@ def _uninstall_accounting():
         del Parameter.init_mode
 
 
-_FILLING = _Patches(_install_filling, _uninstall_filling)
-_ACCOUNTING = _Patches(_install_accounting, _uninstall_accounting)
+_FILLING = SharedPatches(_install_filling, _uninstall_filling)
+_ACCOUNTING = SharedPatches(_install_accounting, _uninstall_accounting)
 
 
 def leftovers() -> list[str]:

@@ -18,11 +18,11 @@ import contextlib
 import threading
 
 import numpy as np
-from mindspore import Parameter
+from mindspore import Parameter, Tensor
+
+from .draws import SharedPatches
 
 _local = threading.local()  # .fast: this thread's build takes copies; .foreign: ids of parameters not its own
-_lock = threading.Lock()
-_users = 0
 # Tensor's own assign_value (a Parameter's class derives from Tensor and Parameter); kept once
 # uninstalled, for a thread that looked the patched one up just before
 _original = None
@@ -42,7 +42,6 @@ def taken_as_copy(param, value) -> bool:
     """`param.set_data` of a copy of `value` when the copy keeps everything
     assign_value keeps (same shape and dtype, a dtype numpy holds); False
     when it does not, nothing done."""
-    from mindspore import Tensor
     from mindspore.common import dtype as mstype
 
     if not isinstance(value, Tensor) or value.has_init or value.dtype != param.dtype \
@@ -52,34 +51,34 @@ def taken_as_copy(param, value) -> bool:
     return True
 
 
+def _install():
+    global _original
+    _original = vars(Tensor)["assign_value"]
+    Tensor.assign_value = _assign_value
+
+
+def _uninstall():
+    Tensor.assign_value = _original
+
+
+_ASSIGNING = SharedPatches(_install, _uninstall)
+
+
 @contextlib.contextmanager
 def assigning(fast: bool, foreign=frozenset()):
     """assign_value on a lazy parameter in this thread lands, as described
     above; those whose id is in `foreign` (not made by this build) are left
     to mindspore."""
-    global _users, _original
-    from mindspore import Tensor
-
-    with _lock:
-        if _users == 0:
-            _original = vars(Tensor)["assign_value"]
-            Tensor.assign_value = _assign_value
-        _users += 1
     outer = getattr(_local, "fast", None), getattr(_local, "foreign", frozenset())
-    _local.fast, _local.foreign = fast, foreign
-    try:
-        yield
-    finally:
-        _local.fast, _local.foreign = outer
-        with _lock:
-            _users -= 1
-            if _users == 0:
-                Tensor.assign_value = _original
+    with _ASSIGNING:
+        _local.fast, _local.foreign = fast, foreign
+        try:
+            yield
+        finally:
+            _local.fast, _local.foreign = outer
 
 
 def leftovers() -> list[str]:
     """What an ended call would have left patched (for tests)."""
-    from mindspore import Tensor
-
     patched = vars(Tensor).get("assign_value") is _assign_value
-    return [f"Tensor.assign_value still patched ({_users} user(s))"] if _users or patched else []
+    return [f"Tensor.assign_value still patched ({_ASSIGNING.users} user(s))"] if _ASSIGNING.users or patched else []
