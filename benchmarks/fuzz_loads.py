@@ -51,7 +51,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from stress_loads import leftover_state  # noqa: E402  (also makes the plugin's fast construction engage)
 
 import ms_loadpatch  # noqa: E402
-from ms_loadpatch.testing import _global_random_state, _random_state_difference, _set_global_random_state  # noqa: E402
+from ms_loadpatch.testing import global_random_state, random_state_difference, set_global_random_state  # noqa: E402
 
 READ_ALLOWANCE = 64 << 20  # bytes a read may allocate beyond twice its file: Parameters, dict, header
 MANY_TENSORS = 10_000
@@ -330,13 +330,13 @@ def run_case(targets, scratch, target, mutations):
     argument = directory if "-read-" not in target else os.path.join(directory, victim)
     size = os.path.getsize(os.path.join(directory, victim))
 
-    start = _global_random_state()
+    start = global_random_state()
     with ms_loadpatch.disabled():
         reference, unpatched_error = _outcome(lambda: load(argument))
     expected = None if reference is None else _snapshot(reference)
-    after_reference = _global_random_state()
+    after_reference = global_random_state()
     del reference
-    _set_global_random_state(start)
+    set_global_random_state(start)
 
     from ms_loadpatch import core
 
@@ -358,7 +358,7 @@ def run_case(targets, scratch, target, mutations):
         problems.append(f"the patched read allocated {peak} bytes for a file of {size}")
     if unpatched_error is None and patched_error is None:
         problems += _differences(expected, _snapshot(result))
-        moved = _random_state_difference(after_reference, _global_random_state())
+        moved = random_state_difference(after_reference, global_random_state())
         if moved:
             problems.append(f"the patched load leaves {moved} elsewhere than the unpatched load")
     elif unpatched_error is None and _index_lists_absent_tensor(directory) and isinstance(patched_error, CheckpointError):

@@ -96,20 +96,22 @@ def load_both(load):
     `random` and mindspore's default generator): weights a checkpoint lacks
     get their initializers' draws. Raises AssertionError when the patched
     call leaves those generators elsewhere than the unpatched one did."""
-    start = _global_random_state()
+    start = global_random_state()
     with disabled():
         reference = load()
-    after_reference = _global_random_state()
-    _set_global_random_state(start)
+    after_reference = global_random_state()
+    set_global_random_state(start)
     with enabled():
         accelerated = load()
-    problem = _random_state_difference(after_reference, _global_random_state())
+    problem = random_state_difference(after_reference, global_random_state())
     if problem:
         raise AssertionError(f"the patched load leaves {problem} elsewhere than the unpatched load")
     return reference, accelerated
 
 
-def _global_random_state():
+def global_random_state():
+    """numpy's, Python's and mindspore's default generator's states (None for
+    mindspore's where it has no get_rng_state)."""
     import random
 
     import mindspore as ms
@@ -119,7 +121,8 @@ def _global_random_state():
     return np.random.get_state(), random.getstate(), generator
 
 
-def _set_global_random_state(state) -> None:
+def set_global_random_state(state) -> None:
+    """The generators back where global_random_state() found them."""
     import random
 
     import mindspore as ms
@@ -131,7 +134,8 @@ def _set_global_random_state(state) -> None:
         ms.set_rng_state(ms.Tensor(state[2]))
 
 
-def _random_state_difference(reference, accelerated) -> str | None:
+def random_state_difference(reference, accelerated) -> str | None:
+    """Which generator two global_random_state() results disagree on, or None."""
     (ref_numpy, ref_python, ref_ms), (acc_numpy, acc_python, acc_ms) = reference, accelerated
     if ref_numpy[0] != acc_numpy[0] or not (ref_numpy[1] == acc_numpy[1]).all() or ref_numpy[2:] != acc_numpy[2:]:
         return "numpy's global RandomState"

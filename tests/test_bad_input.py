@@ -87,6 +87,28 @@ def assert_state_restored(before: dict) -> None:
     assert building.leftovers() == []  # fast construction: nn.Cell methods, class __init__s, gc, counts
 
 
+def raised_alike(unpatched_call, patched_call):
+    """The error of `unpatched_call()` (plugin off), after checking that
+    `patched_call()` (plugin on), run from the same global random state,
+    raises the same (type and message), leaves numpy's, Python's and
+    mindspore's generators where the unpatched call did, and leaves nothing
+    of the plugin behind."""
+    from ms_loadpatch.testing import global_random_state, random_state_difference, set_global_random_state
+
+    start = global_random_state()
+    with ms_loadpatch.disabled():
+        unpatched = raised(unpatched_call)
+    after_unpatched = global_random_state()
+    set_global_random_state(start)
+    before = process_state()
+    patched = raised(patched_call)
+    assert_state_restored(before)
+    assert type(patched) is type(unpatched) and str(patched) == str(unpatched)
+    moved = random_state_difference(after_unpatched, global_random_state())
+    assert moved is None, f"the patched call leaves {moved} elsewhere than the unpatched call"
+    return unpatched
+
+
 def raised(call):
     """The exception `call()` raises; fails the test if it returns (a model would be half loaded)."""
     try:
