@@ -155,17 +155,25 @@ def assert_same_model(reference, accelerated, skip_values=()) -> None:
 
 
 @contextlib.contextmanager
-def cpu_kernel_fallbacks():
+def cpu_kernel_fallbacks(in_place: bool = True):
     """mindspore's CPU wheel lacks some kernels mindone calls (`Arange` behind
     `mint.arange`, `InplaceNormal` behind `mint.randn`, `StackExt`, `Outer` and
-    `OnesLikeExt` behind `mint.stack` / `outer` / `ones_like` while building models; `InplaceNormal` and
-    `InplaceZero` behind `Tensor.normal_` / `zero_` in the `_init_weights` of Qwen3-MoE, Qwen2-MoE, OLMoE,
-    DeepSeek-V2 and others; `Embedding` and `RmsNorm` in forward passes).
+    `OnesLikeExt` behind `mint.stack` / `outer` / `ones_like` while building models; `InplaceNormal`,
+    `InplaceUniform`, `InplaceZero` and `InplaceFillScalar` behind `Tensor.normal_` / `uniform_` / `zero_` /
+    `fill_` in the `_init_weights` of Qwen3-MoE, Qwen2-MoE, Gemma, NLLB-MoE and others; `Embedding` and
+    `RmsNorm` in forward passes).
     Route them to equivalent ops for the duration; apply it to both sides of
-    a comparison so they stay comparable."""
+    a comparison so they stay comparable. The random in-place kernels are
+    replaced under `Tensor.normal_` / `uniform_`, which still take
+    mindspore's generator step: their values come from that `(seed, offset)`
+    alone, as the Ascend kernels' do. Writes into a view (`data[i].zero_()`)
+    reach the viewed tensor. `in_place=False` routes only the kernels a
+    build and a forward pass need, leaving the in-place ones to the wheel."""
     import mindspore as ms
     import wrapt
     from mindspore import mint, ops
+    from mindspore.ops.auto_generate import gen_ops_def
+    from mindspore.ops.function import random_func
 
     def arange(wrapped, instance, args, kwargs):
         return ops.arange(*args, **kwargs)
@@ -203,15 +211,22 @@ def cpu_kernel_fallbacks():
         rstd = ops.rsqrt((x32 * x32).mean(-1, keep_dims=True) + epsilon)
         return (x32 * rstd).astype(x.dtype) * gamma, rstd
 
-    def normal_(wrapped, instance, args, kwargs):
-        mean = args[0] if args else kwargs.get("mean", 0.0)
-        std = args[1] if len(args) > 1 else kwargs.get("std", 1.0)
-        instance.copy_((ops.standard_normal(tuple(instance.shape)) * std + mean).astype(instance.dtype))
-        return instance
+    def inplace_normal(wrapped, instance, args, kwargs):
+        # mindspore's kernel behind Tensor.normal_: its values a function of (seed, offset) alone
+        target, mean, std, seed, offset = args
+        rng = np.random.default_rng([int(seed), int(offset)])
+        return _write_through(target, rng.standard_normal(tuple(target.shape)) * float(std) + float(mean))
 
-    def zero_(wrapped, instance, args, kwargs):
-        instance.copy_(ops.zeros(tuple(instance.shape), instance.dtype))
-        return instance
+    def inplace_uniform(wrapped, instance, args, kwargs):
+        target, low, high, seed, offset = args
+        rng = np.random.default_rng([int(seed), int(offset)])
+        return _write_through(target, rng.uniform(float(low), float(high), tuple(target.shape)))
+
+    def inplace_zero(wrapped, instance, args, kwargs):
+        return _write_through(args[0], 0)
+
+    def fill_(self, value):
+        return _write_through(self, value.item() if isinstance(value, ms.Tensor) else value)
 
     with contextlib.ExitStack() as stack:
         stack.enter_context(wrapt.scoped_function_wrapper(mint, "arange", arange))
@@ -219,11 +234,45 @@ def cpu_kernel_fallbacks():
         stack.enter_context(wrapt.scoped_function_wrapper(mint, "stack", stack_))
         stack.enter_context(wrapt.scoped_function_wrapper(mint, "outer", outer))
         stack.enter_context(wrapt.scoped_function_wrapper(mint, "ones_like", ones_like))
-        stack.enter_context(wrapt.scoped_function_wrapper(ms.Tensor, "normal_", normal_))
-        stack.enter_context(wrapt.scoped_function_wrapper(ms.Tensor, "zero_", zero_))
+        if in_place:
+            stack.enter_context(wrapt.scoped_function_wrapper(random_func, "inplace_normal_", inplace_normal))
+            stack.enter_context(wrapt.scoped_function_wrapper(random_func, "inplace_uniform_op", inplace_uniform))
+            stack.enter_context(wrapt.scoped_function_wrapper(gen_ops_def, "inplace_zero_op", inplace_zero))
+            stack.enter_context(_class_attribute(ms.Tensor, "fill_", fill_))
         stack.enter_context(wrapt.scoped_function_wrapper(ops, "embedding", embedding))
         stack.enter_context(wrapt.scoped_function_wrapper(ops, "rms_norm", rms_norm))
         yield
+
+
+def _write_through(target, values):
+    """`values` (an array of target's shape, or a scalar) written into
+    `target`, also where it is a view into another tensor; returns target."""
+    import mindspore as ms
+
+    try:
+        view = target.untyped_storage().nbytes() != target.nbytes
+    except RuntimeError:  # mindspore 2.7's CPU tensors have no storage object
+        view = target.storage_offset() != 0
+    if view:  # mindspore's copy_ does not write into a view on CPU; item assignment does
+        target[...] = values if np.isscalar(values) else ms.Tensor(np.asarray(values, np.float32), target.dtype)
+    else:
+        full = np.full(tuple(target.shape), values, np.float32) if np.isscalar(values) else values
+        target.copy_(ms.Tensor(np.asarray(full, np.float32)).astype(target.dtype))
+    return target
+
+
+@contextlib.contextmanager
+def _class_attribute(cls, name, value):
+    """cls.name set to value for the duration (deleted again where cls did not define it)."""
+    had, old = name in vars(cls), vars(cls).get(name)
+    setattr(cls, name, value)
+    try:
+        yield
+    finally:
+        if had:
+            setattr(cls, name, old)
+        else:
+            delattr(cls, name)
 
 
 def write_random_checkpoint(cls, config, directory, dtype="float32", max_shard_bytes=None, seed=0, std=0.02):
@@ -234,6 +283,7 @@ def write_random_checkpoint(cls, config, directory, dtype="float32", max_shard_b
     Much faster than building and saving a large model for real."""
     import json
     import os
+    import sys
 
     from mindspore.nn.utils import no_init_parameters
     from safetensors.numpy import save_file
@@ -241,8 +291,17 @@ def write_random_checkpoint(cls, config, directory, dtype="float32", max_shard_b
     from .strategy.safetensors_header import numpy_dtypes
 
     np_dtype = numpy_dtypes()[{"float32": "F32", "float16": "F16", "bfloat16": "BF16"}[dtype]]
-    with cpu_kernel_fallbacks(), no_init_parameters():
-        model = cls(config)
+    # names and shapes only: mindone.transformers' init pass (in-place writes on lazy parameters) is skipped
+    modeling_utils = sys.modules.get("mindone.transformers.modeling_utils")
+    init_pass = getattr(modeling_utils, "_init_weights", None)
+    try:
+        if init_pass is not None:
+            modeling_utils._init_weights = False
+        with cpu_kernel_fallbacks(), no_init_parameters():
+            model = cls(config)
+    finally:
+        if init_pass is not None:
+            modeling_utils._init_weights = init_pass
     shapes = {}
     for name, param in model.parameters_and_names():
         shapes[name] = tuple(param.shape)

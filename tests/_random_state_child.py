@@ -33,6 +33,9 @@ TRANSFORMERS = {
     "transformers-qwen2-missing": ("Qwen2ForCausalLM", "transformers-qwen2-missing"),
     "transformers-mixtral": ("MixtralForCausalLM", "transformers-mixtral"),
     "transformers-qwen3-moe": ("Qwen3MoeForCausalLM", "transformers-qwen3-moe"),
+    "transformers-qwen3-moe-missing": ("Qwen3MoeForCausalLM", "transformers-qwen3-moe-missing"),
+    "transformers-gemma2": ("Gemma2ForCausalLM", "transformers-gemma2"),
+    "transformers-nllb-moe": ("NllbMoeForConditionalGeneration", "transformers-nllb-moe"),
     "transformers-clip-text": ("CLIPTextModel", "transformers-clip-text"),
 }
 

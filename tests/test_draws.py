@@ -140,12 +140,14 @@ def test_filling_on_touch_fills_lazy_parameters_with_their_own_draws_and_restore
 
 class _OwnInitQwen2(mt.Qwen2ForCausalLM):
     """An `_init_weights` with an initializer the tables do not know, a write
-    into a weight (which the init pass fills first), and a new known one."""
+    into a weight (recorded: deferred_writes), then an in-place op the
+    recorder does not model (which fills the weight first), and a new known one."""
 
     def _init_weights(self, module):
         if isinstance(module, nn.Dense):
             module.weight.set_data(initializer(TwoDraws(), module.weight.shape, module.weight.dtype))
             module.weight[0] = 0.25
+            module.weight.data.add_(0.5)  # not a recorded write: filled, the write above replayed, then run
             if module.bias is not None:
                 module.bias.set_data(initializer(Normal(0.3), module.bias.shape, module.bias.dtype))
         elif isinstance(module, nn.Embedding):
@@ -185,6 +187,7 @@ def test_own_init_weights_identical_to_unpatched(lacking_checkpoint, dtype):
     report = last_report()
     assert report.model_class == "_OwnInitQwen2" and report.missing_initialised == 4
     assert report.initializers_run_in_full > 0 and report.filled_in_init_pass > 0 and report.draws_taken > 0
+    assert report.writes_deferred > 0
     assert building.leftovers() == []
 
 

@@ -7,7 +7,9 @@ PYTHONHASHSEED, the first call of a process (the probes run) and a later one.
 transformers loads: dense Qwen2 as stored and as bf16, with weights the
 checkpoint lacks, a Mixtral built from its first cell with every
 construction technique (experts copied), Qwen3-MoE (its `_init_weights`
-fills with `Tensor.normal_`, the init pass then fills those parameters), CLIP's text model.
+writes with `Tensor.normal_` / `zero_`: recorded on lazy parameters with
+their generator steps), also lacking its output head and one expert,
+Gemma2 (a padding row), NLLB-MoE (`fill_` too), CLIP's text model.
 """
 
 import json
@@ -21,7 +23,8 @@ CHILD = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_random_state_
 # the version matrix runs the probes, what differs between mindspore versions (2 processes a version)
 CASES = ["diffusers-unet", "diffusers-vae", "diffusers-controlnet", "diffusers-single-file", "transformers-from-config", pytest.param("probes", marks=pytest.mark.matrix),
          "transformers-qwen2", "transformers-qwen2-bf16", pytest.param("transformers-qwen2-missing", marks=pytest.mark.matrix),
-         "transformers-mixtral", "transformers-qwen3-moe", "transformers-clip-text"]
+         "transformers-mixtral", "transformers-qwen3-moe", "transformers-qwen3-moe-missing", "transformers-gemma2",
+         "transformers-nllb-moe", "transformers-clip-text"]
 
 
 def run_python(args, env_extra):
@@ -58,20 +61,30 @@ with cpu_kernel_fallbacks():
             ("transformers-qwen3-moe", mt.Qwen3MoeForCausalLM(hf.Qwen3MoeConfig(
                 intermediate_size=64, moe_intermediate_size=16, num_experts=8, num_experts_per_tok=2, head_dim=8,
                 **small))),
+            ("transformers-gemma2", mt.Gemma2ForCausalLM(hf.Gemma2Config(
+                intermediate_size=64, head_dim=8, pad_token_id=1, **small))),
+            ("transformers-nllb-moe", mt.NllbMoeForConditionalGeneration(hf.NllbMoeConfig(
+                vocab_size=128, d_model=32, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
+                decoder_attention_heads=4, encoder_ffn_dim=32, decoder_ffn_dim=32, num_experts=4, expert_capacity=4,
+                sparse_step=1, max_position_embeddings=64))),
             ("transformers-clip-text", mt.CLIPTextModel(hf.CLIPTextConfig(
                 vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
                 max_position_embeddings=16)))):
         model.save_pretrained(os.path.join({str(root)!r}, name))
-    source, missing = os.path.join({str(root)!r}, "transformers-qwen2"), os.path.join({str(root)!r}, "transformers-qwen2-missing")
-    os.makedirs(missing)
-    for name in os.listdir(source):
-        if name.endswith(".json"):
-            with open(os.path.join(source, name)) as f, open(os.path.join(missing, name), "w") as g:
-                g.write(f.read())
-    tensors = load_file(os.path.join(source, "model.safetensors"))
-    for key in ("model.layers.1.mlp.up_proj.weight", "model.layers.0.self_attn.q_proj.bias", "lm_head.weight"):
-        del tensors[key]
-    save_file(tensors, os.path.join(missing, "model.safetensors"), metadata={{"format": "np"}})
+    for case, dropped in (("transformers-qwen2", ("model.layers.1.mlp.up_proj.weight",
+                                                  "model.layers.0.self_attn.q_proj.bias", "lm_head.weight")),
+                          ("transformers-qwen3-moe", ("model.layers.1.mlp.experts.3.up_proj.weight",
+                                                      "model.layers.0.mlp.gate.weight", "lm_head.weight"))):
+        source, missing = os.path.join({str(root)!r}, case), os.path.join({str(root)!r}, case + "-missing")
+        os.makedirs(missing)
+        for name in os.listdir(source):
+            if name.endswith(".json"):
+                with open(os.path.join(source, name)) as f, open(os.path.join(missing, name), "w") as g:
+                    g.write(f.read())
+        tensors = load_file(os.path.join(source, "model.safetensors"))
+        for key in dropped:
+            del tensors[key]
+        save_file(tensors, os.path.join(missing, "model.safetensors"), metadata={{"format": "np"}})
 """
     proc = run_python(["-c", code], env_extra={"MS_LOADPATCH": "0"})
     assert proc.returncode == 0, proc.stderr[-3000:]

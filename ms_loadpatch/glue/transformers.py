@@ -21,7 +21,7 @@ from . import common
 from .calls import argument, inside_load
 from ..strategy import building, cellpasses, context
 from ..strategy.assign import assign, cast_parameters, cell_to_keeping_lazy, check_and_pair
-from ..strategy.building import draws, init_pass, window
+from ..strategy.building import deferred_writes, draws, init_pass, window
 from ..strategy.building.construction import initialize_unloaded, lazy_construction, refresh_parameter_names, state_index
 from ..strategy.safetensors_header import exception_naming_file, file_named_in_errors, safe_open_error_naming_file
 from ..strategy.tensors import to_tensor
@@ -157,6 +157,7 @@ def model_init(wrapped, instance, args, kwargs):
         ctx.construction_root = instance
         # the unpatched build runs every initializer: the lazy one takes their draws (kept until the load ends)
         ctx.ledger = draws.Ledger()
+        deferred_writes.verified()  # probed once, before the build launches anything
         ctx.cleanup.enter_context(draws.giving_back(ctx.ledger))
         ctx.exit_stack.enter_context(ctx.report.phase("construct"))
         ctx.exit_stack.enter_context(lazy_construction(checkpoint_tensors=ctx.checkpoint_tensors(),
@@ -179,9 +180,10 @@ def init_weights(wrapped, instance, args, kwargs):
         refresh_parameter_names(instance)
         return None
     if _modeling_utils()._init_weights:
-        with ctx.report.phase("init-pass"), init_pass.filling_on_touch() as counts:
+        with ctx.report.phase("init-pass"), init_pass.filling_on_touch(ctx.ledger) as counts:
             _init_pass(instance, ctx.ledger, counts)
         ctx.report.filled_in_init_pass += counts.filled
+        ctx.report.writes_deferred += counts.deferred
         ctx.report.init_calls_replayed += counts.replayed
     refresh_parameter_names(instance)
     if instance is ctx.construction_root:

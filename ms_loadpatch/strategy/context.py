@@ -36,6 +36,7 @@ class LoadReport:
         self.draws_taken = 0
         self.initializers_run_in_full = 0
         self.filled_in_init_pass = 0
+        self.writes_deferred = 0  # in-place writes of the init pass on lazy parameters, recorded (deferred_writes)
         self.init_calls_replayed = 0  # init-pass calls on cells copied from one recipe, replayed
         self.shards = 0
         self.read_workers = 1  # files read at once (HF_ENABLE_PARALLEL_LOADING)
@@ -83,11 +84,12 @@ class LoadReport:
         )
 
     def _draws_text(self) -> str:
-        if not (self.draws_taken or self.initializers_run_in_full or self.filled_in_init_pass):
+        if not (self.draws_taken or self.initializers_run_in_full or self.filled_in_init_pass
+                or self.writes_deferred):
             return ""
         return (f", {self.draws_taken} random draws taken for lazy parameters ({self.initializers_run_in_full} "
                 f"initializers run in full, {self.filled_in_init_pass} parameters filled in the init pass, "
-                f"{self.init_calls_replayed} of its calls replayed)")
+                f"{self.writes_deferred} in-place writes deferred, {self.init_calls_replayed} of its calls replayed)")
 
     def _cast_text(self) -> str:
         return cast_detail(self.tensors_cast_while_reading, self.tensors_read_again)

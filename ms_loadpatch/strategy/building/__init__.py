@@ -17,7 +17,7 @@ import contextlib
 import threading
 
 from .. import randomstate, switch, verdict
-from . import draws, init_pass, lazy_writes, window
+from . import deferred_writes, draws, init_pass, lazy_writes, window
 from .cell_init_template import CellInitTemplate
 from .flat_name_walk import FlatNameWalk
 from . import gc_pause
@@ -98,6 +98,7 @@ def technique_status() -> list[dict]:
         else:
             rows.append(verdict.row(technique.name, None, technique.description, probe_result(technique),
                                     passed="probe passed: the probe model is identical with and without it"))
+    rows.append(deferred_writes.status_row())
     return rows
 
 

@@ -17,10 +17,15 @@ once per process by `probe()`) or never (`NO_DRAW`) is run in full on a
 scratch array when the parameter is made: the same draws, the data kept for
 a later fill (exact; slower only there, counted in `Ledger.run_in_full`).
 
+In-place writes an init pass recorded on a lazy parameter (deferred_writes)
+are kept beside the seeds (`Ledger.writes`) and replayed when the parameter
+is filled.
+
 Patched while a ledger is active, for the accounting thread only (other
 threads get mindspore's own behaviour): `Parameter.init_mode` (a descriptor
 over the instance attribute, where the draw is taken), `Tensor.init_data`
-(where a kept seed is given back) and `initializer._numpy_seed`.
+(where a kept seed is given back), `Parameter.init_data` (where recorded
+writes are replayed) and `initializer._numpy_seed`.
 """
 
 from __future__ import annotations
@@ -65,12 +70,16 @@ class SharedPatches:
 
 
 def _install_filling():
-    """`initializer._numpy_seed` and `Tensor.init_data`: a tensor a ledger holds fills with its own draw."""
-    from mindspore import Tensor
+    """`initializer._numpy_seed` and `Tensor.init_data`: a tensor a ledger
+    holds fills with its own draw; `Parameter.init_data`: then the writes
+    recorded on it are replayed."""
+    from mindspore import Parameter, Tensor
     from mindspore.common import initializer as module
 
     numpy_seed, init_data = module._numpy_seed, vars(Tensor)["init_data"]
-    _originals.update(numpy_seed=numpy_seed, init_data=init_data, module=module, Tensor=Tensor)
+    parameter_init_data = vars(Parameter)["init_data"]
+    _originals.update(numpy_seed=numpy_seed, init_data=init_data, module=module, Tensor=Tensor,
+                      parameter_init_data=parameter_init_data, FilledParameter=Parameter)
 
     def _numpy_seed():
         replay = getattr(_local, "replay", None)
@@ -100,15 +109,30 @@ def _install_filling():
             if left is not None:
                 raise RuntimeError("ms_loadpatch: an initializer filled a tensor without taking its random draw")
 
+    def patched_parameter_init_data(self, *args, **kwargs):
+        ledger = getattr(_local, "ledger", None)
+        entry = None
+        if ledger is not None and ledger.writes and self.has_init:
+            entry = ledger.writes.pop(id(self.init_mode), None)
+        filled = parameter_init_data(self, *args, **kwargs)
+        if entry is not None:
+            from .deferred_writes import replay
+
+            replay(filled, entry[1])
+        return filled
+
     patched_init_data.__wrapped__ = init_data
+    patched_parameter_init_data.__wrapped__ = parameter_init_data
     module._numpy_seed = _numpy_seed
     Tensor.init_data = patched_init_data
+    Parameter.init_data = patched_parameter_init_data
 
 
 def _uninstall_filling():
     _originals["module"]._numpy_seed = _originals["numpy_seed"]
     _originals["Tensor"].init_data = _originals["init_data"]
-    for key in ("module", "numpy_seed", "Tensor", "init_data"):
+    _originals["FilledParameter"].init_data = _originals["parameter_init_data"]
+    for key in ("module", "numpy_seed", "Tensor", "init_data", "FilledParameter", "parameter_init_data"):
         del _originals[key]
 
 
@@ -187,6 +211,8 @@ class Ledger:
         self.reached_draw: set = set()
         # while a list: (parameter, initializer tensor) of every init_mode set in the accounting thread
         self.assignments: list | None = None
+        # id(initializer tensor) -> (tensor, [deferred_writes.Write]): writes to replay when it is filled
+        self.writes: dict[int, tuple] = {}
 
     def take(self, tensor) -> None:
         """The draws the plain build makes when it fills `tensor` (a lazy
@@ -233,6 +259,7 @@ class Ledger:
 
     def forget(self) -> None:
         self.seeds.clear()
+        self.writes.clear()
 
     def drew(self, tensor) -> bool:
         """Whether `tensor`'s draw was taken as a seed (not run in full, not drawless)."""
@@ -246,6 +273,7 @@ class Ledger:
         and its draw (`draws`: init's class draws once, as recorded from a
         real call) is taken now."""
         tensor.init = init
+        self.writes.pop(id(tensor), None)  # a new initializer replaces what was written before it
         if draws:
             self.seeds[id(tensor)] = (tensor, _originals["numpy_seed"]())
             self.draws += 1
@@ -293,7 +321,7 @@ def giving_back(ledger: Ledger):
 
 class _GiveBackOnly:
     def __init__(self, ledger):
-        self.seeds = ledger.seeds
+        self.seeds, self.writes = ledger.seeds, ledger.writes
         self.assignments = None
 
     def take(self, tensor) -> None:

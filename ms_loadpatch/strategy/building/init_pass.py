@@ -27,6 +27,8 @@ import threading
 
 import numpy as np
 
+from . import deferred_writes
+
 _APPLY_METHODS = ("apply", "cells", "name_cells")
 
 
@@ -129,13 +131,13 @@ class _Replays:
         before = {attr: p.init_mode for attr, p in params.items()}
         attributes = [(k, id(v)) for k, v in vars(cell).items() if k != _FLAG]
         random_state, python_state = np.random.get_state(), random.getstate()
-        before_counts = (self.counts.filled, ledger.run_in_full)
+        before_counts = (self.counts.filled, self.counts.deferred, ledger.run_in_full)
         ledger.assignments = []
         try:
             initialize(cell)
         finally:
             assignments, ledger.assignments = ledger.assignments, None
-        if before_counts != (self.counts.filled, ledger.run_in_full) or not all(p.has_init for p in params.values()) \
+        if before_counts != (self.counts.filled, self.counts.deferred, ledger.run_in_full) or not all(p.has_init for p in params.values()) \
                 or attributes != [(k, id(v)) for k, v in vars(cell).items() if k != _FLAG] \
                 or python_state != random.getstate():
             return None
@@ -192,14 +194,19 @@ def _same_state(generator, state) -> bool:
 class PassCounts:
     def __init__(self):
         self.filled = 0  # lazy parameters whose data the pass touched
+        self.deferred = 0  # in-place writes on lazy parameters recorded (deferred_writes)
         self.replayed = 0  # calls replayed on cells copied from one recipe
 
 
 @contextlib.contextmanager
-def filling_on_touch():
+def filling_on_touch(ledger=None):
     """While held, in this thread: reading a lazy Parameter's `data`,
     indexing into it, or calling an in-place method on it fills it first
-    (Parameter.init_data; under a ledger, with its own seed). Yields the pass's PassCounts."""
+    (Parameter.init_data; under a ledger, with its own seed). With a
+    `ledger`, the in-place writes deferred_writes verified on this mindspore
+    are recorded into it instead. Yields the pass's PassCounts."""
+    import sys
+
     import mindspore as ms
 
     builder = threading.get_ident()
@@ -211,14 +218,24 @@ def filling_on_touch():
         if threading.get_ident() == builder and param.has_init:
             param.init_data()
             counts.filled += 1
+        return param
+
+    kinds = deferred_writes.verified()[0] if ledger is not None else frozenset()
+    recorder = deferred_writes.Recorder(ledger, kinds, fill, counts) if kinds else None
 
     data = next((vars(k)["data"] for k in cls.__mro__ if "data" in vars(k)), None)
     if data is not None:
-        patched["data"] = _FillingData(lambda p: (fill(p), data.__get__(p, type(p)))[1],
-                                       lambda p, v: data.__set__(p, v))
-    for name in _in_place_methods(ms):
-        patched[name] = _filling_first(cls, name, fill)
-    patched["__setitem__"] = _filling_first(cls, "__setitem__", fill)
+        def read_data(param):
+            if threading.get_ident() == builder and param.has_init:
+                lazy = recorder.data(param, sys._getframe(1)) if recorder is not None else None
+                if lazy is not None:
+                    return lazy
+                fill(param)
+            return data.__get__(param, type(param))
+
+        patched["data"] = _FillingData(read_data, lambda p, v: data.__set__(p, v))
+    for name in _in_place_methods(ms) + ["__setitem__", "__getitem__"]:
+        patched[name] = _filling_first(cls, name, fill, recorder if name in kinds else None, builder)
     originals = {name: vars(cls)[name] for name in patched if name in vars(cls)}
     try:
         for name, value in patched.items():
@@ -248,10 +265,15 @@ def _in_place_methods(ms) -> list[str]:
     return sorted(names)
 
 
-def _filling_first(cls, name, fill):
+def _filling_first(cls, name, fill, recorder, builder):
+    """Parameter.`name` during a pass: on a lazy parameter in the building
+    thread, recorded (`recorder`: a write it models) or filled first."""
     own = vars(cls).get(name)
 
     def method(self, *args, **kwargs):
+        if recorder is not None and self.has_init and threading.get_ident() == builder \
+                and recorder.record(self, False, (), name, args, kwargs):
+            return None if name == "__setitem__" else self
         fill(self)
         if own is not None:
             return own(self, *args, **kwargs)
