@@ -13,7 +13,7 @@ from mindspore import nn
 from _building_helpers import techniques_off
 from _building_helpers import checkpoints  # noqa: F401  (a fixture)
 from ms_loadpatch.strategy import building, context, switch
-from ms_loadpatch.strategy.building import probe
+from ms_loadpatch.strategy.building import deferred_writes, probe
 from ms_loadpatch.strategy.building.lazy import CONSTRUCTION_LOCK
 from ms_loadpatch.testing import assert_same_model, load_both
 
@@ -21,12 +21,13 @@ pytestmark = pytest.mark.usefixtures("cpu_kernels", "plugin_enabled")
 
 
 NAMES = [t.name for t in building.TECHNIQUES]
+ROWS = NAMES + [deferred_writes.NAME]  # status also reports the init pass's deferred writes
 
 
 @pytest.mark.matrix
 def test_every_probe_passes_on_this_mindspore():
     rows = building.technique_status()
-    assert [r["name"] for r in rows] == NAMES
+    assert [r["name"] for r in rows] == ROWS
     for row in rows:
         assert set(row) == {"name", "description", "state", "reason"}
         assert row["state"] == "active", row
@@ -38,12 +39,16 @@ def test_env_var_switches_techniques_off():
         states = {r["name"]: r["state"] for r in building.technique_status()}
         assert states == {"cell-init-template": "active", "signature-cache": "off", "primitive-defaults": "active",
                           "flat-name-walk": "active", "sibling-clone": "active", "gc-pause": "off",
-                          "host-factories": "active"}
+                          "host-factories": "active", "deferred-writes": "active"}
         assert [t.name for t in building.active_techniques()] == ["cell-init-template", "primitive-defaults",
                                                                    "flat-name-walk", "sibling-clone"]
         assert [t.name for t in building.active_techniques(early=True)] == ["host-factories"]
+    with techniques_off("deferred-writes"):
+        assert deferred_writes.usable_kinds() == frozenset()
+        assert {r["name"]: r["state"] for r in building.technique_status()}["deferred-writes"] == "off"
     with techniques_off("all"):
         rows = building.technique_status()
+        assert [r["name"] for r in rows] == ROWS
         assert {r["state"] for r in rows} == {"off"}
         assert all(switch.ENV_VAR in r["reason"] for r in rows)
         original = vars(nn.Cell)["__init__"]
@@ -211,6 +216,8 @@ def test_techniques_that_differ_only_together_all_fail(monkeypatch):
 def test_failed_probe_skips_and_load_stays_identical(checkpoints, monkeypatch):
     failing = {name: "simulated probe failure" for name in NAMES}
     monkeypatch.setattr(building, "_probe_results", failing)
+    monkeypatch.setattr(deferred_writes, "_verified",
+                        (frozenset(), {kind: "simulated probe failure" for kind in deferred_writes.KINDS}))
     rows = building.technique_status()
     assert {r["state"] for r in rows} == {"skipped"} and all("simulated" in r["reason"] for r in rows)
     installs = []
@@ -220,4 +227,5 @@ def test_failed_probe_skips_and_load_stays_identical(checkpoints, monkeypatch):
     reference, accelerated = load_both(lambda: cls.from_pretrained(path))
     assert installs == []
     assert context.last_report().tensors_assigned > 0
+    assert context.last_report().writes_deferred == 0
     assert_same_model(reference, accelerated)

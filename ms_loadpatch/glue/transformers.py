@@ -157,7 +157,7 @@ def model_init(wrapped, instance, args, kwargs):
         ctx.construction_root = instance
         # the unpatched build runs every initializer: the lazy one takes their draws (kept until the load ends)
         ctx.ledger = draws.Ledger()
-        deferred_writes.verified()  # probed once, before the build launches anything
+        deferred_writes.usable_kinds()  # probed once, before the build launches anything
         ctx.cleanup.enter_context(draws.giving_back(ctx.ledger))
         ctx.exit_stack.enter_context(ctx.report.phase("construct"))
         ctx.exit_stack.enter_context(lazy_construction(checkpoint_tensors=ctx.checkpoint_tensors(),

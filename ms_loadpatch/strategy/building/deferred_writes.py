@@ -256,6 +256,16 @@ _verified: tuple | None = None
 _verify_lock = threading.Lock()
 
 
+NAME = "deferred-writes"
+
+
+def usable_kinds() -> frozenset:
+    """The kinds to record: none when MS_LOADPATCH_TECHNIQUES_OFF names this technique."""
+    from .. import switch
+
+    return frozenset() if switch.is_off(NAME) else verified()[0]
+
+
 def verified() -> tuple[frozenset, dict]:
     """(kinds whose record and replay equal the real op here, {kind: why not} for the others)."""
     global _verified
@@ -345,17 +355,19 @@ def _compare(kind) -> str | None:
 
 def status_row() -> dict:
     """status()'s row: active while any kind passed, naming those that did not."""
-    from .. import verdict
+    from .. import switch, verdict
 
-    passed, problems = verified()
     description = ("in-place writes of an init pass on a lazy parameter (" + ", ".join(KINDS) + ") recorded "
                    "with their generator steps and replayed only if the checkpoint lacks the parameter "
                    "(probed against the real op on plain parameters)")
+    if switch.is_off(NAME):
+        return verdict.row_off(NAME, None, description)
+    passed, problems = verified()
     problem = None
     if problems:
         problem = "; ".join(f"{kind}: {why} (filled, then run)" for kind, why in sorted(problems.items()))
     if passed and problem:
-        return {"name": "deferred-writes", "description": description, "state": verdict.ACTIVE,
+        return {"name": NAME, "description": description, "state": verdict.ACTIVE,
                 "reason": f"active for {', '.join(sorted(passed))}; {problem}"}
-    return verdict.row("deferred-writes", None, description, problem,
+    return verdict.row(NAME, None, description, problem,
                        passed="probe passed: record and replay equal the real op here")

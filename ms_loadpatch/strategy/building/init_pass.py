@@ -220,7 +220,7 @@ def filling_on_touch(ledger=None):
             counts.filled += 1
         return param
 
-    kinds = deferred_writes.verified()[0] if ledger is not None else frozenset()
+    kinds = deferred_writes.usable_kinds() if ledger is not None else frozenset()
     recorder = deferred_writes.Recorder(ledger, kinds, fill, counts) if kinds else None
 
     data = next((vars(k)["data"] for k in cls.__mro__ if "data" in vars(k)), None)
