@@ -43,6 +43,11 @@ def families(layers=24, experts=128, width=1) -> dict:
         "glm4_moe": ("Glm4MoeForCausalLM", dict(
             sized, n_routed_experts=E, n_shared_experts=1, first_k_dense_replace=0, n_group=1, topk_group=1,
             head_dim=8, **top2)),
+        # encoder-decoder, a sparse layer every 4th (the family's default): layers / 2 each side
+        "nllb_moe": ("NllbMoeForConditionalGeneration", dict(
+            vocab_size=128, d_model=32 * W, encoder_layers=max(layers // 2, 1), decoder_layers=max(layers // 2, 1),
+            encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=16 * W, decoder_ffn_dim=16 * W,
+            num_experts=E, expert_capacity=4, max_position_embeddings=64)),
         "hunyuan_v1_moe": ("HunYuanMoEV1ForCausalLM", dict(base, intermediate_size=16 * W, num_experts=E, moe_topk=2,
                                                            head_dim=8)),
     }

@@ -178,16 +178,12 @@ def cpu_kernel_fallbacks(in_place: bool = True):
     def arange(wrapped, instance, args, kwargs):
         return ops.arange(*args, **kwargs)
 
-    def randn(wrapped, instance, args, kwargs):
-        # values from mindspore's default generator's state, which then moves on, as mint.randn's do
-        size = args if args else kwargs.get("size", ())
-        shape = tuple(size[0]) if len(size) == 1 and isinstance(size[0], (tuple, list)) else tuple(size)
-        state = ms.get_rng_state().asnumpy()
-        values = np.random.default_rng(int.from_bytes(state.tobytes(), "little")).standard_normal(shape)
-        offset = (int.from_bytes(state[8:].tobytes(), "little") + values.size) % 2 ** 64
-        moved = np.concatenate([state[:8], np.frombuffer(offset.to_bytes(8, "little"), np.uint8)])
-        ms.set_rng_state(ms.Tensor(moved))
-        return ms.Tensor(values.astype(np.float32), dtype=kwargs.get("dtype") or ms.float32)
+    def randn_kernel(wrapped, instance, args, kwargs):
+        # the kernel behind mint.randn, after its generator step: values a function of (seed, offset) alone
+        size, seed, offset = args[0], args[1], args[2]
+        dtype = args[3] if len(args) > 3 else kwargs.get("dtype")
+        values = np.random.default_rng([int(seed), int(offset)]).standard_normal(tuple(size))
+        return ms.Tensor(values.astype(np.float32), dtype=dtype or ms.float32)
 
     def stack_(wrapped, instance, args, kwargs):
         tensors = args[0] if args else kwargs["tensors"]
@@ -230,7 +226,7 @@ def cpu_kernel_fallbacks(in_place: bool = True):
 
     with contextlib.ExitStack() as stack:
         stack.enter_context(wrapt.scoped_function_wrapper(mint, "arange", arange))
-        stack.enter_context(wrapt.scoped_function_wrapper(mint, "randn", randn))
+        stack.enter_context(wrapt.scoped_function_wrapper(random_func, "randn_", randn_kernel))
         stack.enter_context(wrapt.scoped_function_wrapper(mint, "stack", stack_))
         stack.enter_context(wrapt.scoped_function_wrapper(mint, "outer", outer))
         stack.enter_context(wrapt.scoped_function_wrapper(mint, "ones_like", ones_like))

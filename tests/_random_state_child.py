@@ -3,7 +3,7 @@ and print the global generators' draws after each call as one JSON line.
 
     python _random_state_child.py CASE DIRECTORY
 
-CASE: `diffusers-unet`, `diffusers-vae` (from_pretrained of the checkpoint in
+CASE: `diffusers-unet`, `diffusers-vae`, `diffusers-unet3d[-missing]` (from_pretrained of the checkpoint in
 DIRECTORY/CASE), `diffusers-controlnet` (ControlNetModel.from_unet of that
 UNet), `diffusers-single-file` (the UNet's file through from_single_file), `transformers-*` (from_pretrained of DIRECTORY/CASE, see
 TRANSFORMERS; `-bf16`: as bfloat16), `transformers-from-config`, `probes`
@@ -59,7 +59,8 @@ def call():
             return D.UNet2DConditionModel.from_single_file(
                 os.path.join(directory, "diffusers-unet", "diffusion_pytorch_model.safetensors"),
                 config=os.path.join(directory, "diffusers-unet"))
-        cls = {"diffusers-unet": D.UNet2DConditionModel, "diffusers-vae": D.AutoencoderKL}[case]
+        cls = {"diffusers-unet": D.UNet2DConditionModel, "diffusers-vae": D.AutoencoderKL,
+               "diffusers-unet3d": D.UNet3DConditionModel, "diffusers-unet3d-missing": D.UNet3DConditionModel}[case]
         return cls.from_pretrained(os.path.join(directory, case))
     if case in TRANSFORMERS:
         import mindone.transformers as mt

@@ -115,18 +115,19 @@ def outcome(load):
     except RuntimeError as exc:
         return None, str(exc).splitlines()[0]
 
-with cpu_kernel_fallbacks(in_place=False):  # patched first: a failed kernel's error surfaces at a later sync
-    acc, acc_error = outcome(lambda: cls.from_pretrained(directory))
+# patched first, read before the unpatched load: a failed kernel's error surfaces at a later sync
+with cpu_kernel_fallbacks(in_place=False):
+    acc, acc_error = outcome(lambda: snapshot(cls.from_pretrained(directory)))
     report = last_report()
+    result = dict(acc_error=acc_error, leftovers=building.leftovers())
+    if acc is not None:
+        result.update(filled=report.filled_in_init_pass, deferred=report.writes_deferred,
+                      differing=[n for n, a in stored.items()
+                                 if not np.array_equal(acc["tensors"][n].bits, a.view(acc["tensors"][n].bits.dtype))])
     with ms_loadpatch.disabled():
-        ref, ref_error = outcome(lambda: cls.from_pretrained(directory))
-result = dict(acc_error=acc_error, ref_error=ref_error, leftovers=building.leftovers())
-if acc is not None:
-    params = dict(acc.parameters_and_names())
-    result.update(filled=report.filled_in_init_pass, deferred=report.writes_deferred,
-                  differing=[n for n, a in stored.items() if not np.array_equal(params[n].asnumpy(), a)])
+        ref, result["ref_error"] = outcome(lambda: snapshot(cls.from_pretrained(directory)))
 if acc is not None and ref is not None:
-    result["problems"] = compare(snapshot(ref), snapshot(acc))
+    result["problems"] = compare(ref, acc)
 print("RESULT " + json.dumps(result))
 """
 

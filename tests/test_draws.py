@@ -249,3 +249,68 @@ def test_init_pass_replays_copied_cells_only_when_exact(mixtral_checkpoint, monk
         replayed.append(last_report().init_calls_replayed)
     # w1 and w3 of every copied expert draw from Python's random in the second: called, not replayed
     assert replayed[0] > replayed[1] > 0
+
+
+def _expert_weight(cell):
+    return isinstance(cell, ms.mint.nn.Linear) and cell.weight.shape == (16, 32)
+
+
+def _expert(cell):
+    return type(cell).__name__ == "MixtralBlockSparseTop2MLP"
+
+
+def _real_values(cell):
+    cell.weight.set_data(ms.Tensor(np.full(cell.weight.shape, 0.5), dtype=cell.weight.dtype))
+
+
+def _marked(cell):
+    cell.weight.requires_grad = False
+    cell.weight.marked_by_init = True
+
+
+# what a replayed call would miss: (which copied cells, the extra effect of their _init_weights call)
+_UNREPLAYABLE = {
+    "set-data-real-tensor": (_expert_weight, _real_values),
+    "parameter-attribute": (_expert_weight, _marked),
+    "buffer-write": (_expert, lambda cell: cell.scale.fill_(2.0)),
+    "mindspore-draw": (_expert_weight, lambda cell: ms.mint.randn(2)),
+}
+
+
+@pytest.mark.parametrize("case", sorted(_UNREPLAYABLE))
+def test_init_pass_never_replays_a_call_with_effects_beyond_its_draws(case, mixtral_checkpoint, monkeypatch):
+    """Copied experts whose init-pass call also sets a real tensor, sets a
+    parameter's attribute, writes a buffer or draws from mindspore's generator
+    are called, not replayed: the model (buffers and parameter attributes
+    included) and the three generators are the unpatched ones."""
+    which, effect = _UNREPLAYABLE[case]
+    base = mt.MixtralPreTrainedModel._init_weights
+
+    def _init_weights(self, module):
+        base(self, module)
+        if which(module):
+            effect(module)
+
+    monkeypatch.setattr(mt.MixtralPreTrainedModel, "_init_weights", _init_weights)
+    if case == "buffer-write":
+        from mindone.transformers.models.mixtral import modeling_mixtral
+
+        expert_init = modeling_mixtral.MixtralBlockSparseTop2MLP.__init__
+
+        def __init__(self, config):
+            expert_init(self, config)
+            self.register_buffer("scale", ms.Tensor(np.ones(4, np.float32)), persistent=False)
+
+        monkeypatch.setattr(modeling_mixtral.MixtralBlockSparseTop2MLP, "__init__", __init__)
+    ms.set_seed(3)
+    random.seed(3)
+    ref, acc = load_both(lambda: mt.MixtralForCausalLM.from_pretrained(mixtral_checkpoint))  # the generators too
+    assert_same_model(ref, acc)
+    assert last_report().cells_copied > 0
+    for model in (ref, acc):
+        touched = [cell for _, cell in model.cells_and_names() if which(cell)]
+        assert len(touched) >= 2 * 8 * (2 if which is _expert_weight else 1)  # w1, w3 (k_proj, v_proj too)
+        if case == "parameter-attribute":
+            assert all(cell.weight.marked_by_init and not cell.weight.requires_grad for cell in touched)
+        if case == "buffer-write":
+            assert all(cell.scale.asnumpy().tolist() == [2.0] * 4 for cell in touched)

@@ -21,7 +21,7 @@ import pytest
 
 CHILD = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_random_state_child.py")
 # the version matrix runs the probes, what differs between mindspore versions (2 processes a version)
-CASES = ["diffusers-unet", "diffusers-vae", "diffusers-controlnet", "diffusers-single-file", "transformers-from-config", pytest.param("probes", marks=pytest.mark.matrix),
+CASES = ["diffusers-unet", "diffusers-vae", "diffusers-unet3d", "diffusers-unet3d-missing", "diffusers-controlnet", "diffusers-single-file", "transformers-from-config", pytest.param("probes", marks=pytest.mark.matrix),
          "transformers-qwen2", "transformers-qwen2-bf16", pytest.param("transformers-qwen2-missing", marks=pytest.mark.matrix),
          "transformers-mixtral", "transformers-qwen3-moe", "transformers-qwen3-moe-missing", "transformers-gemma2",
          "transformers-nllb-moe", "transformers-clip-text"]
@@ -50,6 +50,11 @@ with cpu_kernel_fallbacks():
     D.AutoencoderKL(block_out_channels=[4, 8], in_channels=3, out_channels=3,
         down_block_types=["DownEncoderBlock2D"] * 2, up_block_types=["UpDecoderBlock2D"] * 2, latent_channels=4,
         norm_num_groups=4, sample_size=16).save_pretrained(os.path.join({str(root)!r}, "diffusers-vae"))
+    # TemporalConvLayer zeroes its last conv after that conv drew: a copied block must draw as the real one
+    D.UNet3DConditionModel(block_out_channels=(4, 8), norm_num_groups=4, layers_per_block=1, sample_size=8,
+        in_channels=4, out_channels=4, down_block_types=("CrossAttnDownBlock3D", "DownBlock3D"),
+        up_block_types=("UpBlock3D", "CrossAttnUpBlock3D"), cross_attention_dim=8,
+        attention_head_dim=2).save_pretrained(os.path.join({str(root)!r}, "diffusers-unet3d"))
     import transformers as hf
     import mindone.transformers as mt
     from safetensors.numpy import load_file, save_file
@@ -74,17 +79,21 @@ with cpu_kernel_fallbacks():
     for case, dropped in (("transformers-qwen2", ("model.layers.1.mlp.up_proj.weight",
                                                   "model.layers.0.self_attn.q_proj.bias", "lm_head.weight")),
                           ("transformers-qwen3-moe", ("model.layers.1.mlp.experts.3.up_proj.weight",
-                                                      "model.layers.0.mlp.gate.weight", "lm_head.weight"))):
+                                                      "model.layers.0.mlp.gate.weight", "lm_head.weight")),
+                          ("diffusers-unet3d", ("down_blocks.1.temp_convs.0.conv4.3.weight",
+                                                "up_blocks.0.temp_convs.1.conv4.3.bias",
+                                                "down_blocks.0.temp_convs.0.conv1.2.weight"))):
         source, missing = os.path.join({str(root)!r}, case), os.path.join({str(root)!r}, case + "-missing")
         os.makedirs(missing)
         for name in os.listdir(source):
             if name.endswith(".json"):
                 with open(os.path.join(source, name)) as f, open(os.path.join(missing, name), "w") as g:
                     g.write(f.read())
-        tensors = load_file(os.path.join(source, "model.safetensors"))
+        file = "model.safetensors" if case.startswith("transformers") else "diffusion_pytorch_model.safetensors"
+        tensors = load_file(os.path.join(source, file))
         for key in dropped:
             del tensors[key]
-        save_file(tensors, os.path.join(missing, "model.safetensors"), metadata={{"format": "np"}})
+        save_file(tensors, os.path.join(missing, file), metadata={{"format": "np"}})
 """
     proc = run_python(["-c", code], env_extra={"MS_LOADPATCH": "0"})
     assert proc.returncode == 0, proc.stderr[-3000:]

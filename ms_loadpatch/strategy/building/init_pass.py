@@ -14,9 +14,10 @@ plain build holds it, then runs as written: exact, slower only there
 Cells sibling-clone copied from one recipe are alike: once real calls on
 three of them did the same and only that (each of the cell's own lazy
 parameters given a new initializer of the same shape and dtype, the draws
-taken in order and nothing else drawn from numpy or Python's `random`, no
-data touched, the cell's attributes unchanged), the call on the others is replayed (`_Replays`): the
-same initializers and draws, without the call.
+taken in order and nothing else drawn from numpy, Python's `random` or
+mindspore's generators, no data touched, the attributes, parameters' state
+and buffers of the cell's subtree unchanged), the call on the others is
+replayed (`_Replays`): the same initializers and draws, without the call.
 """
 
 from __future__ import annotations
@@ -124,22 +125,22 @@ class _Replays:
         anything a replay would not do."""
         ledger = self.ledger
         params = {attr: p for attr, p in (cell.__dict__.get("_params") or {}).items() if p is not None}
-        if not all(p.has_init for p in params.values()):
+        subtree = _subtree_state(cell)
+        if subtree is None or not all(p.has_init for p in params.values()):
             initialize(cell)
             return None
         own = {id(p): attr for attr, p in params.items()}
         before = {attr: p.init_mode for attr, p in params.items()}
-        attributes = [(k, id(v)) for k, v in vars(cell).items() if k != _FLAG]
         random_state, python_state = np.random.get_state(), random.getstate()
-        before_counts = (self.counts.filled, self.counts.deferred, ledger.run_in_full)
+        counts = self.counts
+        before_counts = (counts.filled, counts.deferred, counts.generator_steps, ledger.run_in_full)
         ledger.assignments = []
         try:
             initialize(cell)
         finally:
             assignments, ledger.assignments = ledger.assignments, None
-        if before_counts != (self.counts.filled, self.counts.deferred, ledger.run_in_full) or not all(p.has_init for p in params.values()) \
-                or attributes != [(k, id(v)) for k, v in vars(cell).items() if k != _FLAG] \
-                or python_state != random.getstate():
+        if before_counts != (counts.filled, counts.deferred, counts.generator_steps, ledger.run_in_full) \
+                or python_state != random.getstate() or _subtree_state(cell) != subtree:
             return None
         effect, replayed = [], np.random.RandomState()
         replayed.set_state(random_state)
@@ -178,6 +179,41 @@ class _Replays:
 
 
 _SCALARS = (type(None), bool, int, float, str, np.floating, np.integer)
+# a parameter's own state besides its initializer (init_mode, what a replay gives back)
+_PARAMETER_SWITCHES = ("name", "requires_grad", "layerwise_parallel", "parallel_optimizer")
+
+
+def _subtree_state(cell):
+    """What a replay would not restore, over `cell` and the cells below it:
+    their attributes and the entries of dict attributes by identity, each
+    parameter's attributes (a lazy one's initializer aside) and switches,
+    and the bytes of every real tensor (buffers, parameters built real).
+    None when some bytes cannot be read."""
+    import mindspore as ms
+
+    state = []
+    for _, sub in cell.cells_and_names():
+        for key, value in vars(sub).items():
+            if key == _FLAG:
+                continue
+            state.append((key, id(value)))
+            if isinstance(value, dict):  # _params, _cells, _buffers: OrderedDicts
+                state.append(tuple((k, id(v)) for k, v in value.items()))
+                values = value.values()
+            else:
+                values = (value,)
+            for item in values:
+                lazy = isinstance(item, ms.Parameter) and item.has_init
+                if isinstance(item, ms.Parameter):
+                    state.append(tuple((k, id(v)) for k, v in vars(item).items() if not (lazy and k == "init_mode")))
+                    state.append(tuple(getattr(item, name, None) for name in _PARAMETER_SWITCHES))
+                if isinstance(item, ms.Tensor) and not lazy:
+                    try:
+                        state.append(item.asnumpy().tobytes())
+                    except Exception:  # a tensor whose bytes are not readable here: never replayed
+                        return None
+    return state
+
 
 
 def _plain_value(value) -> bool:
@@ -196,6 +232,7 @@ class PassCounts:
         self.filled = 0  # lazy parameters whose data the pass touched
         self.deferred = 0  # in-place writes on lazy parameters recorded (deferred_writes)
         self.replayed = 0  # calls replayed on cells copied from one recipe
+        self.generator_steps = 0  # steps of mindspore's generators taken in the building thread
 
 
 @contextlib.contextmanager
@@ -208,6 +245,7 @@ def filling_on_touch(ledger=None):
     import sys
 
     import mindspore as ms
+    from mindspore.common.generator import Generator
 
     builder = threading.get_ident()
     cls = ms.Parameter
@@ -236,17 +274,32 @@ def filling_on_touch(ledger=None):
         patched["data"] = _FillingData(read_data, lambda p, v: data.__set__(p, v))
     for name in _in_place_methods(ms) + ["__setitem__", "__getitem__"]:
         patched[name] = _filling_first(cls, name, fill, recorder if name in kinds else None, builder)
-    originals = {name: vars(cls)[name] for name in patched if name in vars(cls)}
+    swaps = [(cls, name, value) for name, value in patched.items()]
+    swaps.append((Generator, "_step", _counting_steps(vars(Generator)["_step"], counts, builder)))
+    originals = [(owner, name, vars(owner)[name] if name in vars(owner) else None) for owner, name, _ in swaps]
     try:
-        for name, value in patched.items():
-            setattr(cls, name, value)
+        for owner, name, value in swaps:
+            setattr(owner, name, value)
         yield counts
     finally:
-        for name in patched:
-            if name in originals:
-                setattr(cls, name, originals[name])
+        for owner, name, original in originals:
+            if original is not None:
+                setattr(owner, name, original)
             else:
-                delattr(cls, name)
+                delattr(owner, name)
+
+
+def _counting_steps(step, counts, builder):
+    """Generator._step during a pass: counts the builder's steps (a call
+    that draws from mindspore's generators is never replayed)."""
+
+    def _step(self, *args, **kwargs):
+        if threading.get_ident() == builder:
+            counts.generator_steps += 1
+        return step(self, *args, **kwargs)
+
+    _step.__qualname__ = "_counting_steps"
+    return _step
 
 
 class _FillingData(property):
@@ -286,7 +339,11 @@ def _filling_first(cls, name, fill, recorder, builder):
 def leftovers() -> list[str]:
     """Parameter attributes a pass would have left patched (for tests)."""
     import mindspore as ms
+    from mindspore.common.generator import Generator
 
-    return [f"Parameter.{name} still fills on touch" for name, value in vars(ms.Parameter).items()
-            if getattr(value, "__qualname__", "").startswith("_filling_first")
-            or isinstance(value, _FillingData)]
+    found = [f"Parameter.{name} still fills on touch" for name, value in vars(ms.Parameter).items()
+             if getattr(value, "__qualname__", "").startswith("_filling_first")
+             or isinstance(value, _FillingData)]
+    if getattr(vars(Generator)["_step"], "__qualname__", "") == "_counting_steps":
+        found.append("Generator._step still counts steps")
+    return found
