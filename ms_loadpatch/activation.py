@@ -48,6 +48,18 @@ def env_int(name: str, minimum: int = 1) -> int | None:
     return value
 
 
+def env_choice(name: str, choices: tuple[str, ...]) -> str:
+    """Environment variable `name` as one of `choices` (case-insensitive);
+    the first choice when unset or another value (warned about once)."""
+    value = env_value(name)
+    if value in choices:
+        return value
+    if value and (name, value) not in _warned:
+        _warned.add((name, value))
+        logger.warning("ms_loadpatch: ignoring %s=%r (not one of %s)", name, value, ", ".join(choices))
+    return choices[0]
+
+
 def switched_off() -> bool:
     return env_value() in OFF_VALUES
 

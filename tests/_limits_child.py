@@ -22,7 +22,7 @@ import ms_loadpatch
 from ms_loadpatch.testing import assert_same_model, cpu_kernel_fallbacks, load_both, write_random_checkpoint
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from test_bad_input import assert_state_restored, process_state  # noqa: E402
+from _process_state import assert_state_restored, process_state  # noqa: E402
 
 KIND, SCRATCH = sys.argv[1], sys.argv[2]
 

@@ -74,8 +74,8 @@ def _parameters(model, group_size, full_shapes):
 
 def _write_failure(out, rank, exc, before):
     """What the failed load left: its error, the process state check of
-    tests/test_bad_input.py, and reader threads still alive."""
-    from test_bad_input import assert_state_restored
+    tests/_process_state.py, and reader threads still alive."""
+    from _process_state import assert_state_restored
 
     try:
         assert_state_restored(before)
@@ -117,7 +117,7 @@ def main():
 
             ms_loadpatch.disable()  # imported for the CPU stand-ins only: this job loads unpatched
         import ms_loadpatch
-        from test_bad_input import process_state  # this file's folder is on sys.path
+        from _process_state import process_state  # this file's folder is on sys.path
 
         from mindone.transformers import AutoModelForCausalLM
 

@@ -151,7 +151,7 @@ def test_lora_layers_lacking_from_the_file_keep_their_draws():
 
 def test_bad_adapter_file_leaves_the_process_as_it_was():
     """A LoRA tensor of the wrong shape: the unpatched error, and nothing of the plugin left behind."""
-    from test_bad_input import raised_alike
+    from _process_state import raised_alike
 
     def load(unet):
         state = _lora_state(unet)

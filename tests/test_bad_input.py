@@ -1,7 +1,7 @@
 """Broken checkpoints: the patched load raises the exception type unpatched
 mindone raises (or a subclass), with a message naming the file (and the
 tensor where there is one), returns no model, and leaves the process as it
-was (see `assert_state_restored`).
+was (see `_process_state.assert_state_restored`).
 
 Where unpatched mindone is unhelpful or silent, the test says so and checks
 the patched load is at least as strict:
@@ -20,23 +20,19 @@ import shutil
 import struct
 import threading
 
-import mindspore as ms
 import numpy as np
 import pytest
-import wrapt
 from safetensors import SafetensorError
 from safetensors.numpy import load_file
 
-from _helpers import tiny_qwen2_config, tiny_vae
-import mindone.diffusers as md
+from _process_state import assert_state_restored, process_state, raised
+from _tiny_checkpoints import checkpoints  # noqa: F401  (a fixture)
+from _tiny_checkpoints import file_to_break, load, shards
 import mindone.transformers as mt
 import mindone.transformers.modeling_utils as tf_utils
 import ms_loadpatch
-from ms_loadpatch import core
-from ms_loadpatch.strategy import context
-from ms_loadpatch.strategy.building.lazy import CONSTRUCTION_LOCK
 from ms_loadpatch.strategy.safetensors_header import CheckpointError
-from ms_loadpatch.testing import assert_same_model, cpu_kernel_fallbacks, load_both
+from ms_loadpatch.testing import assert_same_model, load_both
 
 LFS_POINTER = (
     "version https://git-lfs.github.com/spec/v1\n"
@@ -44,111 +40,14 @@ LFS_POINTER = (
 )
 
 
-# -- process state: what a load may change and must put back (shared with test_faults_concurrency)
-
-
-def process_state() -> dict:
-    return {"enabled": ms_loadpatch.is_enabled(), "handles": dict(core._PATCHER._handles), "env": dict(os.environ)}
-
-
-def _lock_is_free() -> bool:
-    result = []
-
-    def probe():  # from another thread: the lock is re-entrant for its owner
-        got = CONSTRUCTION_LOCK.acquire(blocking=False)
-        if got:
-            CONSTRUCTION_LOCK.release()
-        result.append(got)
-
-    thread = threading.Thread(target=probe)
-    thread.start()
-    thread.join()
-    return result == [True]
-
-
-def assert_state_restored(before: dict) -> None:
-    """Every target still patched by the same, still installed, handle;
-    Parameter's no-init flag back on; the construction lock free; no
-    LoadContext left current; the environment unchanged."""
-    after = process_state()
-    assert after["enabled"] == before["enabled"]
-    assert after["handles"].keys() == before["handles"].keys()
-    for key, handle in before["handles"].items():
-        assert after["handles"][key] is handle, key
-        target = next(t for t in core.TARGETS if t.key == key)
-        _, _, installed = wrapt.resolve_path(__import__(target.module, fromlist=["_"]), target.path)
-        assert installed is handle, f"{key}: {installed!r} is installed instead of the handle"
-    assert getattr(ms.Parameter, "init_param", True) is True, "no_init_parameters' class flag left off"
-    assert _lock_is_free(), "construction lock still held"
-    assert context.current() is None, "a LoadContext is still current"
-    assert after["env"] == before["env"]
-    from ms_loadpatch.strategy import building
-
-    assert building.leftovers() == []  # fast construction: nn.Cell methods, class __init__s, gc, counts
-
-
-def raised_alike(unpatched_call, patched_call):
-    """The error of `unpatched_call()` (plugin off), after checking that
-    `patched_call()` (plugin on), run from the same global random state,
-    raises the same (type and message), leaves numpy's, Python's and
-    mindspore's generators where the unpatched call did, and leaves nothing
-    of the plugin behind."""
-    from ms_loadpatch.testing import global_random_state, random_state_difference, set_global_random_state
-
-    start = global_random_state()
-    with ms_loadpatch.disabled():
-        unpatched = raised(unpatched_call)
-    after_unpatched = global_random_state()
-    set_global_random_state(start)
-    before = process_state()
-    patched = raised(patched_call)
-    assert_state_restored(before)
-    assert type(patched) is type(unpatched) and str(patched) == str(unpatched)
-    moved = random_state_difference(after_unpatched, global_random_state())
-    assert moved is None, f"the patched call leaves {moved} elsewhere than the unpatched call"
-    return unpatched
-
-
-def raised(call):
-    """The exception `call()` raises; fails the test if it returns (a model would be half loaded)."""
-    try:
-        result = call()
-    except Exception as exc:  # noqa: BLE001 - the exception is what is being tested
-        return exc
-    pytest.fail(f"no exception: returned {type(result).__name__}")
-
-
 pytestmark = pytest.mark.usefixtures("cpu_kernels", "plugin_enabled")
 
 
-# -- checkpoints (once per module) and ways to break them
-
-
-@pytest.fixture(scope="module")
-def checkpoints(tmp_path_factory):
-    root = tmp_path_factory.mktemp("bad-input")
-    with ms_loadpatch.disabled(), cpu_kernel_fallbacks():
-        model = mt.Qwen2ForCausalLM(tiny_qwen2_config())
-        model.save_pretrained(root / "tf-single")
-        model.save_pretrained(root / "tf-sharded", max_shard_size="20KB")
-        vae = md.AutoencoderKL(**tiny_vae())
-        vae.save_pretrained(root / "df-single")
-        vae.save_pretrained(root / "df-sharded", max_shard_size="12KB")
-    return root
-
-
-def _shards(directory):
-    return sorted(str(p) for p in directory.iterdir() if p.name.endswith(".safetensors"))
+# -- ways to break a checkpoint
 
 
 def _index(directory):
     return next(p for p in directory.iterdir() if p.name.endswith(".index.json"))
-
-
-def _victim(directory):
-    """The file to break: the only one, or the second shard."""
-    shards = _shards(directory)
-    return shards[1] if len(shards) > 1 else shards[0]
 
 
 def _read_header(path):
@@ -166,7 +65,7 @@ def _write_header(path, header, data):
 
 
 def truncated(directory):
-    path = _victim(directory)
+    path = file_to_break(directory)
     with open(path, "rb") as f:
         blob = f.read()
     with open(path, "wb") as f:
@@ -175,7 +74,7 @@ def truncated(directory):
 
 
 def header_not_json(directory):
-    path = _victim(directory)
+    path = file_to_break(directory)
     with open(path, "r+b") as f:
         f.seek(8)
         f.write(b"x")  # '{' -> 'x'; the length stays right
@@ -183,7 +82,7 @@ def header_not_json(directory):
 
 
 def offsets_past_end(directory):
-    path = _victim(directory)
+    path = file_to_break(directory)
     header, data = _read_header(path)
     key = max((k for k in header if k != "__metadata__"), key=lambda k: header[k]["data_offsets"][1])
     header[key]["data_offsets"] = [o + 4 for o in header[key]["data_offsets"]]
@@ -192,7 +91,7 @@ def offsets_past_end(directory):
 
 
 def unknown_dtype(directory):
-    path = _victim(directory)
+    path = file_to_break(directory)
     header, data = _read_header(path)
     key = sorted(k for k in header if k != "__metadata__")[0]
     header[key]["dtype"] = "F33"
@@ -201,13 +100,13 @@ def unknown_dtype(directory):
 
 
 def empty_file(directory):
-    path = _victim(directory)
+    path = file_to_break(directory)
     open(path, "wb").close()
     return path, None
 
 
 def lfs_pointer(directory):
-    path = _victim(directory)
+    path = file_to_break(directory)
     with open(path, "w") as f:
         f.write(LFS_POINTER)
     return path, None
@@ -223,14 +122,6 @@ UNPATCHED_TYPE = {
     ("df", "single"): OSError,
     ("df", "sharded"): OSError,
 }
-
-
-def _load(library, directory):
-    if library == "tf":
-        return mt.Qwen2ForCausalLM.from_pretrained(str(directory))
-    if library == "tf-bf16":
-        return mt.Qwen2ForCausalLM.from_pretrained(str(directory), mindspore_dtype=ms.bfloat16)
-    return md.AutoencoderKL.from_pretrained(str(directory))
 
 
 def _broken_copy(checkpoints, tmp_path, name, defect):
@@ -253,10 +144,10 @@ def _assert_same_failure(library, directory, expected_type, path, key=None):
     types; the patched one names `path` (and `key`) and leaves the process as
     it was. Returns both exceptions."""
     with ms_loadpatch.disabled():
-        unpatched = raised(lambda: _load(library, directory))
+        unpatched = raised(lambda: load(library, directory))
     assert type(unpatched) is expected_type, f"unpatched mindone now raises {type(unpatched)}: {unpatched}"
     before = process_state()
-    patched = raised(lambda: _load(library, directory))
+    patched = raised(lambda: load(library, directory))
     assert_state_restored(before)
     assert isinstance(patched, type(unpatched)), f"{type(patched)} is not a {type(unpatched)}: {patched}"
     assert_names_file(patched, path, key)
@@ -317,7 +208,7 @@ def test_broken_file_direct_load_state_dict(checkpoints, tmp_path, defect):
 @pytest.mark.parametrize("library", ["tf", "df"])
 def test_missing_shard(checkpoints, tmp_path, library):
     def remove(directory):
-        path = _victim(directory)
+        path = file_to_break(directory)
         os.remove(path)
         return path, None
 
@@ -327,12 +218,12 @@ def test_missing_shard(checkpoints, tmp_path, library):
 
 def _map_shard_to_first(directory):
     """Rewrite the index so every tensor of the second shard is said to be in the first."""
-    shards = [os.path.basename(p) for p in _shards(directory)]
+    names = [os.path.basename(p) for p in shards(directory)]
     index_path = _index(directory)
     index = json.loads(index_path.read_text())
-    moved = sorted(k for k, v in index["weight_map"].items() if v == shards[1])
+    moved = sorted(k for k, v in index["weight_map"].items() if v == names[1])
     for key in moved:
-        index["weight_map"][key] = shards[0]
+        index["weight_map"][key] = names[0]
     index_path.write_text(json.dumps(index))
     return moved
 
@@ -344,18 +235,18 @@ def _map_shard_to_first(directory):
 def test_index_maps_tensors_to_wrong_shard(checkpoints, tmp_path, library):
     directory = tmp_path / f"{library}-sharded"
     shutil.copytree(checkpoints / f"{library}-sharded", directory)
-    truth = load_file(_shards(directory)[1])
+    truth = load_file(shards(directory)[1])
     moved = _map_shard_to_first(directory)
     # unpatched mindone never reads the second shard and says nothing: those weights are random
     with ms_loadpatch.disabled():
-        model = _load(library, directory)
+        model = load(library, directory)
     params = dict(model.parameters_and_names())
     matrices = [k for k in moved if k in params and truth[k].ndim >= 2]  # biases and norms start as saved
     assert matrices and all(not np.array_equal(params[k].asnumpy(), truth[k]) for k in matrices)
     before = process_state()
-    error = raised(lambda: _load(library, directory))
+    error = raised(lambda: load(library, directory))
     assert_state_restored(before)
-    assert isinstance(error, CheckpointError) and error.key in moved and error.path == _shards(directory)[0]
+    assert isinstance(error, CheckpointError) and error.key in moved and error.path == shards(directory)[0]
     assert_names_file(error, error.path, error.key)
 
 
@@ -364,11 +255,11 @@ def test_index_maps_one_tensor_to_wrong_shard_still_read(checkpoints, tmp_path):
     both loads take it from where it is; identical results."""
     directory = tmp_path / "tf-sharded"
     shutil.copytree(checkpoints / "tf-sharded", directory)
-    shards = [os.path.basename(p) for p in _shards(directory)]
+    names = [os.path.basename(p) for p in shards(directory)]
     index_path = _index(directory)
     index = json.loads(index_path.read_text())
-    key = sorted(k for k, v in index["weight_map"].items() if v == shards[1])[0]
-    index["weight_map"][key] = shards[2]
+    key = sorted(k for k, v in index["weight_map"].items() if v == names[1])[0]
+    index["weight_map"][key] = names[2]
     index_path.write_text(json.dumps(index))
     reference, accelerated = load_both(lambda: mt.Qwen2ForCausalLM.from_pretrained(str(directory)))
     assert_same_model(reference, accelerated)
@@ -390,7 +281,7 @@ def test_shape_mismatch(checkpoints, tmp_path, library, layout):
     def shrink(directory):
         config_path = directory / "config.json"
         config_path.write_text(json.dumps(dict(json.loads(config_path.read_text()), **config_change)))
-        first = next(p for p in _shards(directory) if any(changed(k) for k in load_file(p)))
+        first = next(p for p in shards(directory) if any(changed(k) for k in load_file(p)))
         return first, key if layout == "single" else None
 
     directory, path, key = _broken_copy(checkpoints, tmp_path, f"{library}-{layout}", shrink)
@@ -407,7 +298,7 @@ def test_shape_mismatch(checkpoints, tmp_path, library, layout):
 @pytest.mark.parametrize("library", ["tf", "df"])
 def test_no_weights(checkpoints, tmp_path, library):
     def remove_all(directory):
-        for path in _shards(directory):
+        for path in shards(directory):
             os.remove(path)
         return None, None
 

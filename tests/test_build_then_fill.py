@@ -164,7 +164,7 @@ def test_failure_halfway_leaves_the_process_as_it_was(unets):
     """A UNet whose down block is float16 fails load_param_into_net's strict
     dtype check after the build: the same error, the same random state, and
     nothing of the plugin left behind."""
-    from test_bad_input import raised_alike
+    from _process_state import raised_alike
 
     unet = unets["tiny"]
     param = unet.down_blocks[0].resnets[0].conv1.weight

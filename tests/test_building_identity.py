@@ -166,10 +166,10 @@ def test_diffusers_same_objects(checkpoints, arch):
 
 def test_diffusers_forward_and_training_step(checkpoints):
     """Flux: the small diffusers model whose forward runs on the CPU backend
-    (with test_diffusers_identity's routes). Its full backward does not run
+    (with _helpers.flux_cpu_routes). Its full backward does not run
     on this backend, unpatched either ("pointer[input_tensor] is null"), so
     the training step goes through its embedders and output head."""
-    from test_diffusers_identity import flux_cpu_routes
+    from _helpers import flux_cpu_routes
 
     cls, path = checkpoints["flux"]
     reference, accelerated = load_both(lambda: cls.from_pretrained(path))

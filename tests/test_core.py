@@ -3,7 +3,6 @@ re-enable, the version gate, activation switches and the launcher."""
 
 import json
 import logging
-import os
 import sys
 import textwrap
 
@@ -11,7 +10,7 @@ import pytest
 
 pytestmark = pytest.mark.matrix
 
-from _helpers import report_of, run_python
+from _helpers import installed_pth, report_of, run_python
 from ms_loadpatch.targets import TARGETS
 
 CHECKS = [
@@ -116,16 +115,10 @@ def test_target_requirement_skips_with_reason(monkeypatch):
 # -- activation without code changes
 
 
-def _installed_pth():
-    import site
-
-    return any(os.path.exists(os.path.join(d, "ms_loadpatch_autoload.pth")) for d in site.getsitepackages())
-
-
 ENABLED_PROBE = "import sys, json; m = sys.modules.get('ms_loadpatch'); print('REPORT', json.dumps(bool(m and m.is_enabled())))"
 
 
-@pytest.mark.skipif(not _installed_pth(), reason="the .pth hook is placed by a wheel install (CI installs one)")
+@pytest.mark.skipif(not installed_pth(), reason="the .pth hook is placed by a wheel install (CI installs one)")
 @pytest.mark.parametrize("value,expected", [("1", True), ("true", True), ("", False), ("0", False)])
 def test_env_var_pth_activation(value, expected):
     assert report_of(run_python(ENABLED_PROBE, env_extra={"MS_LOADPATCH": value})) is expected

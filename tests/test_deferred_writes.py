@@ -16,54 +16,14 @@ import sys
 import mindspore as ms
 import numpy as np
 import pytest
-import transformers as hf
-from safetensors.numpy import load_file, save_file
 
-import mindone.transformers as mt
 import ms_loadpatch
 from ms_loadpatch.strategy import building
 from ms_loadpatch.strategy.building import deferred_writes
 from ms_loadpatch.strategy.context import last_report
 from ms_loadpatch.testing import assert_same_model, cpu_kernel_fallbacks, load_both
 
-_SMALL = dict(vocab_size=128, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
-FAMILIES = {
-    "qwen3-moe": (mt.Qwen3MoeForCausalLM, lambda **kw: hf.Qwen3MoeConfig(
-        intermediate_size=64, moe_intermediate_size=16, num_experts=4, num_experts_per_tok=2, head_dim=8,
-        **_SMALL, **kw)),
-    "qwen2-moe": (mt.Qwen2MoeForCausalLM, lambda **kw: hf.Qwen2MoeConfig(
-        intermediate_size=64, moe_intermediate_size=16, shared_expert_intermediate_size=16, num_experts=4,
-        num_experts_per_tok=2, **_SMALL, **kw)),
-    "gemma2": (mt.Gemma2ForCausalLM, lambda **kw: hf.Gemma2Config(intermediate_size=64, head_dim=8,
-                                                                  **{"pad_token_id": 1, **_SMALL, **kw})),
-    "nllb-moe": (mt.NllbMoeForConditionalGeneration, lambda **kw: hf.NllbMoeConfig(
-        vocab_size=128, d_model=32, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
-        decoder_attention_heads=4, encoder_ffn_dim=32, decoder_ffn_dim=32, num_experts=4, expert_capacity=4,
-        sparse_step=1, max_position_embeddings=64, **kw)),
-    "llama-pad": (mt.LlamaForCausalLM, lambda **kw: hf.LlamaConfig(intermediate_size=64, pad_token_id=1,
-                                                                   **_SMALL, **kw)),
-}
-# families whose init pass writes in place into lazy parameters (Llama's writes go to its real embedding)
-WRITES_IN_PLACE = {"qwen3-moe", "qwen2-moe", "gemma2", "nllb-moe"}
-# weights a "lacking" checkpoint drops: an output head, a norm, a projection, one expert (where the family has them)
-DROPPED = ("lm_head.weight", "model.norm.weight", "model.layers.0.self_attn.q_proj.weight", "model.layers.1.mlp.experts.2.up_proj.weight",
-           "model.decoder.layer_norm.weight", "model.decoder.layers.0.self_attn.q_proj.weight",
-           "model.encoder.layers.1.ffn.fc1.weight")
-
-
-def _save(cls, config, directory, drop=False):
-    with cpu_kernel_fallbacks():
-        ms.set_seed(0)
-        cls(config).save_pretrained(directory)
-    if drop:
-        path = os.path.join(directory, "model.safetensors")
-        tensors = load_file(path)
-        gone = [k for k in DROPPED if k in tensors]
-        assert gone, "the lacking checkpoint lacks nothing"
-        for key in gone:
-            del tensors[key]
-        save_file(tensors, path, metadata={"format": "np"})
-    return directory
+from _in_place_families import FAMILIES, WRITES_IN_PLACE, save_family
 
 
 @pytest.fixture(scope="module")
@@ -72,7 +32,7 @@ def checkpoints(tmp_path_factory):
     out = {}
     for family, (cls, config) in FAMILIES.items():
         for kind in ("complete", "lacking"):
-            out[family, kind] = _save(cls, config(), str(root / f"{family}-{kind}"), drop=kind == "lacking")
+            out[family, kind] = save_family(cls, config(), str(root / f"{family}-{kind}"), drop=kind == "lacking")
     return out
 
 
@@ -103,10 +63,10 @@ import ms_loadpatch
 from ms_loadpatch.strategy import building
 from ms_loadpatch.strategy.context import last_report
 from ms_loadpatch.testing import compare, cpu_kernel_fallbacks, snapshot
-from test_deferred_writes import FAMILIES, _save
+from _in_place_families import FAMILIES, save_family
 
 cls, config = FAMILIES[{family!r}]
-directory = _save(cls, config(pad_token_id=None), {directory!r})
+directory = save_family(cls, config(pad_token_id=None), {directory!r})
 stored = load_file(os.path.join(directory, "model.safetensors"))
 
 def outcome(load):

@@ -9,7 +9,6 @@ WanTransformer3DModel (RepeatInterleaveInt); CosmosTransformer3DModel stands
 in as the model with `_keep_in_fp32_modules`.
 """
 
-import contextlib
 import json
 import os
 import shutil
@@ -24,10 +23,9 @@ import pytest
 ms = pytest.importorskip("mindspore")
 D = pytest.importorskip("mindone.diffusers")
 
-import wrapt  # noqa: E402
-from mindspore import mint, ops  # noqa: E402
+from mindspore import mint  # noqa: E402
 
-from _helpers import tiny_unet, tiny_vae  # noqa: E402
+from _helpers import flux_cpu_routes, tiny_unet, tiny_vae  # noqa: E402
 import ms_loadpatch  # noqa: E402
 from ms_loadpatch.glue import common as glue_common  # noqa: E402
 from ms_loadpatch.glue import diffusers as glue  # noqa: E402
@@ -549,66 +547,6 @@ def test_concurrent_loads_and_construction(ckpts):
 
 
 # -- a forward pass
-
-
-@contextlib.contextmanager
-def flux_cpu_routes():
-    """Ops FluxTransformer2DModel's forward needs that the CPU wheel lacks,
-    routed to equivalents; applied to both models, so the comparison is fair.
-    mint.arange (Arange), mint.outer (Outer), Tensor.repeat_interleave
-    (RepeatInterleaveInt), mint.stack (StackExt), ops.layer_norm behind
-    mint.nn.LayerNorm (LayerNormExt), mint.nn.functional.gelu (GeluExt), and
-    attention: mindone's sdpa always runs FlashAttentionScore (its math branch
-    falls through), so its own math_attention_op is called instead."""
-    from mindone.diffusers.models import attention_dispatch
-    from mindone.diffusers.models.layers_compat import math_attention_op
-
-    def outer(wrapped, instance, args, kwargs):
-        x, y = args
-        return x.reshape(-1, 1) * y.reshape(1, -1)
-
-    def repeat_interleave(wrapped, instance, args, kwargs):
-        dim = kwargs.get("dim", args[1] if len(args) > 1 else None)
-        return ops.repeat_elements(instance, rep=args[0], axis=dim)
-
-    def stack(wrapped, instance, args, kwargs):
-        return ops.stack(args[0], axis=kwargs.get("dim", args[1] if len(args) > 1 else 0))
-
-    def layer_norm(wrapped, instance, args, kwargs):
-        names = ("input", "normalized_shape", "weight", "bias", "eps")
-        given = dict(zip(names, args), **kwargs)
-        x, eps = given["input"], given.get("eps", 1e-5)
-        axes = tuple(range(-len(given["normalized_shape"]), 0))
-        mean = x.mean(axis=axes, keep_dims=True)
-        y = (x - mean) / ops.sqrt(((x - mean) ** 2).mean(axis=axes, keep_dims=True) + eps)
-        if given.get("weight") is not None:
-            y = y * given["weight"]
-        if given.get("bias") is not None:
-            y = y + given["bias"]
-        return y
-
-    def gelu(wrapped, instance, args, kwargs):
-        x = args[0]
-        if kwargs.get("approximate", "none") == "tanh":
-            return 0.5 * x * (1.0 + ops.tanh(0.7978845608028654 * (x + 0.044715 * x**3)))
-        return 0.5 * x * (1.0 + ops.erf(x / 1.4142135623730951))
-
-    def sdpa(wrapped, instance, args, kwargs):
-        kwargs = {k: v for k, v in kwargs.items() if k != "backend"}
-        return math_attention_op(*args, **kwargs)
-
-    with contextlib.ExitStack() as stack_:
-        stack_.enter_context(cpu_kernel_fallbacks())
-        for owner, attribute, route in (
-            (mint, "outer", outer),
-            (ms.Tensor, "repeat_interleave", repeat_interleave),
-            (mint, "stack", stack),
-            (ops, "layer_norm", layer_norm),
-            (mint.nn.functional, "gelu", gelu),
-            (attention_dispatch, "scaled_dot_product_attention", sdpa),
-        ):
-            stack_.enter_context(wrapt.scoped_function_wrapper(owner, attribute, route))
-        yield
 
 
 def test_flux_forward(ckpts):

@@ -2,7 +2,7 @@
 while loads run, and the hand-over to mindone for what the fast path does
 not handle.
 
-After a fault the process must be as before (test_bad_input's
+After a fault the process must be as before (_process_state's
 `assert_state_restored`) and the next load bit-identical to unpatched.
 Concurrent patched loads are compared with sequential unpatched ones.
 """
@@ -27,7 +27,7 @@ from ms_loadpatch.glue import transformers as glue_tf
 from ms_loadpatch.strategy import context, prefetch, reader
 from ms_loadpatch.strategy.building.lazy import CONSTRUCTION_LOCK
 from ms_loadpatch.testing import assert_same_model, compare, cpu_kernel_fallbacks, load_both, snapshot
-from test_bad_input import assert_state_restored, process_state, raised
+from _process_state import assert_state_restored, process_state, raised
 
 # name -> (class, config, file dtype, max shard size, dtype asked at load)
 SPECS = {

@@ -1,7 +1,7 @@
 """Interrupted and hostile loads: Ctrl-C at chosen points of a patched load,
 SIGTERM in the middle of one, storage that fails or changes underneath, and
 exhausted limits. Each ends in a clean interrupt or an error naming the file,
-with the process as it was (test_bad_input.assert_state_restored), no reader
+with the process as it was (_process_state.assert_state_restored), no reader
 thread left, and the next patched load bit-identical to an unpatched one.
 
 Faults are injected by wrapping the plugin's own functions for the test (the
@@ -29,7 +29,9 @@ from ms_loadpatch.strategy import safetensors_header, threaded_read
 from ms_loadpatch.strategy.safetensors_header import CheckpointError
 from ms_loadpatch.testing import assert_same_model, load_both
 
-from test_bad_input import _load, _shards, _victim, assert_state_restored, checkpoints, process_state  # noqa: F401
+from _process_state import assert_state_restored, process_state
+from _tiny_checkpoints import checkpoints  # noqa: F401  (a fixture)
+from _tiny_checkpoints import file_to_break, load, shards
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 pytestmark = pytest.mark.usefixtures("cpu_kernels", "plugin_enabled", "ctrl_c_raises")
@@ -54,7 +56,7 @@ def _reader_threads():
 
 
 def _next_load_is_identical(library, directory):
-    reference, accelerated = load_both(lambda: _load(library, directory))
+    reference, accelerated = load_both(lambda: load(library, directory))
     assert_same_model(reference, accelerated)
 
 
@@ -141,7 +143,7 @@ def _without_one_tensor(checkpoints, tmp_path, name):
 
     directory = tmp_path / name
     shutil.copytree(checkpoints / name, directory)
-    for path in _shards(directory):
+    for path in shards(directory):
         tensors = load_file(path)
         if "model.norm.weight" in tensors:
             del tensors["model.norm.weight"]
@@ -169,7 +171,7 @@ def test_keyboard_interrupt(checkpoints, tmp_path, monkeypatch, library, layout,
     with monkeypatch.context() as patch:
         _interrupt_at(point, library, patch, interrupt)
         try:
-            model = _load(library, directory)
+            model = load(library, directory)
         except KeyboardInterrupt:
             caught_at = time.perf_counter()
         else:
@@ -201,7 +203,7 @@ def test_interrupt_does_not_wait_for_a_slow_read(checkpoints, monkeypatch):
     monkeypatch.setattr(threaded_read, "_pread_into", pread)
     before = process_state()
     with pytest.raises(KeyboardInterrupt):
-        _load("tf", checkpoints / "tf-sharded")
+        load("tf", checkpoints / "tf-sharded")
     caught_at = time.perf_counter()
     print(f"\ninterrupt during a {slow:.0f} s read: caller interrupted after "
           f"{(caught_at - interrupt.sent_at) * 1000:.1f} ms")
@@ -280,14 +282,14 @@ def _fails_naming(library, directory, path, expected_type=OSError):
     unpatched one (the fault injected into the plugin's reader is not met)."""
     before = process_state()
     if (library, directory.name) == ("df", "df-single"):
-        model = _load(library, directory)
+        model = load(library, directory)
         assert_state_restored(before)
         with ms_loadpatch.disabled():
-            reference = _load(library, directory)
+            reference = load(library, directory)
         assert_same_model(reference, model)
         return None
     with pytest.raises(expected_type) as info:
-        _load(library, directory)
+        load(library, directory)
     assert str(path) in str(info.value), f"the file is not named: {type(info.value).__name__}: {info.value}"
     assert not _reader_threads()
     assert_state_restored(before)
@@ -300,7 +302,7 @@ def test_shard_that_cannot_be_opened(checkpoints, tmp_path, monkeypatch, library
     """Permission denied on one shard (injected at the reader's open: as root,
     chmod 000 would still be readable)."""
     directory = _copy(checkpoints, tmp_path, f"{library}-{layout}")
-    victim = _victim(directory)
+    victim = file_to_break(directory)
     real_open = open
 
     def guarded_open(file, *args, **kwargs):
@@ -320,7 +322,7 @@ def test_shard_that_cannot_be_opened(checkpoints, tmp_path, monkeypatch, library
 def test_read_failing_mid_file(checkpoints, tmp_path, monkeypatch, library, layout):
     """EIO from the storage in the middle of the data (as a network mount gives)."""
     directory = _copy(checkpoints, tmp_path, f"{library}-{layout}")
-    victim = _victim(directory)
+    victim = file_to_break(directory)
     real_pread = threaded_read._pread_into
 
     def pread(fd, view, offset, *rest):
@@ -370,7 +372,7 @@ def test_file_changing_while_read(checkpoints, tmp_path, monkeypatch, library, c
     """Another process truncating, appending to or rewriting a shard between
     the reader's header and data reads: refused, never a mixed model."""
     directory = _copy(checkpoints, tmp_path, f"{library}-sharded")
-    victim = _victim(directory)
+    victim = file_to_break(directory)
     with monkeypatch.context() as patch:
         _change_during_read(patch, victim, change)
         error = _fails_naming(library, directory, victim)

@@ -24,7 +24,7 @@ import pytest
 from ms_loadpatch.strategy.ranks import NodeShare, available_cores
 from ms_loadpatch.strategy.threaded_read import read_threads
 
-from test_core import _installed_pth
+from _helpers import installed_pth
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 WORKER = os.path.join(HERE, "_msrun_worker.py")
@@ -167,7 +167,7 @@ def test_import_in_the_script_accelerates_every_rank(zero_jobs):
 
 @pytest.mark.parametrize("activation", ["env", "run"])
 def test_activation_from_outside_reaches_every_rank(activation, tiny_checkpoint, zero_jobs, tmp_path):
-    if activation == "env" and not _installed_pth():
+    if activation == "env" and not installed_pth():
         pytest.skip("MS_LOADPATCH=1 alone needs the .pth hook a wheel install places (CI installs one)")
     env, launcher = ({"MS_LOADPATCH": "1"}, ()) if activation == "env" else \
         ({}, (sys.executable, "-m", "ms_loadpatch", "run", "--"))

@@ -155,3 +155,21 @@ def test_pip_install_keeps_the_installed_mindspore(tmp_path):
     code = "import json, ms_loadpatch.versions as v; print(json.dumps(v.check().versions))"
     seen = json.loads(_run([python, "-c", code], cwd=str(tmp_path)).stdout)
     assert seen == installed
+
+
+def test_tests_share_helpers_not_test_modules():
+    """Shared test code lives in tests/_*.py: no test module, helper or
+    child script imports a test module (whose fixtures and collection would
+    come along)."""
+    import re
+
+    here = os.path.dirname(os.path.abspath(__file__))
+    pattern = re.compile(r"^\s*(from|import)\s+test_\w+", re.MULTILINE)
+    offenders = {}
+    for name in sorted(os.listdir(here)):
+        if name.endswith(".py"):
+            with open(os.path.join(here, name)) as f:
+                found = pattern.findall(f.read())
+            if found:
+                offenders[name] = len(found)
+    assert offenders == {}

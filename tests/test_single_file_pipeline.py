@@ -105,7 +105,7 @@ def test_pipeline_file_read_into_the_components(ldm_pipeline, monkeypatch):
 def test_clip_from_the_file_fails_as_unpatched(ldm_pipeline):
     """mindone 0.5.0's CLIP path raises AttributeError (`Embedding` has no
     `weight`); the patched call raises the same and leaves nothing behind."""
-    from test_bad_input import raised_alike
+    from _process_state import raised_alike
 
     root, _, _ = ldm_pipeline
     unpatched = raised_alike(lambda: _pipeline(root), lambda: _pipeline(root))

@@ -33,7 +33,7 @@ import threading
 
 import numpy as np
 
-from . import randomstate, switch, verdict
+from . import page_cache, randomstate, switch, verdict
 from .safetensors_header import CheckpointError, checkpoint_os_error, read_header_from, unchanged_file
 from .threaded_read import data_buffer, read_into, read_threads, run_in_threads
 
@@ -268,6 +268,7 @@ class CastAtRead:
                 dtype, shape, begin, end = header.entries[self.name]
                 array = np.empty(end - begin, dtype=np.uint8)
                 got = read_into(f.fileno(), array, header.data_start + begin, threads=1)
+                page_cache.after_read(f.fileno())
         except CheckpointError:
             raise
         except OSError as exc:

@@ -25,6 +25,8 @@ import struct
 import numpy as np
 from safetensors import SafetensorError
 
+from . import page_cache
+
 # safetensors' own limit (MAX_HEADER_SIZE); a larger claim is corruption.
 MAX_HEADER_BYTES = 100_000_000
 # serde_json (safetensors' JSON parser) refuses deeper nesting.
@@ -415,7 +417,10 @@ def unchanged_file(path):
     with _os_errors_named(path):
         with open(path, "rb") as f:
             before = os.fstat(f.fileno())
-            yield f, read_header_from(f, path), (before.st_size, before.st_mtime_ns)
+            try:
+                yield f, read_header_from(f, path), (before.st_size, before.st_mtime_ns)
+            finally:
+                page_cache.after_read(f.fileno())
             after = os.fstat(f.fileno())
     if (after.st_size, after.st_mtime_ns) != (before.st_size, before.st_mtime_ns):
         raise CheckpointError(

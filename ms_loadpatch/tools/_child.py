@@ -18,7 +18,7 @@ import numpy as np
 
 import ms_loadpatch
 
-from .bench import LoadSpec, UsageError, _version
+from .bench import LoadSpec, UsageError, distribution_version
 
 
 def _max_rss_bytes() -> int:
@@ -45,7 +45,7 @@ def _reset_peak_rss() -> bool:
 
 
 def _versions() -> dict:
-    return {name: _version(name) for name in ("mindspore", "mindone", "ms-loadpatch")}
+    return {name: distribution_version(name) for name in ("mindspore", "mindone", "ms-loadpatch")}
 
 
 def import_model_class(spec: LoadSpec):

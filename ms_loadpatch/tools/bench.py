@@ -176,7 +176,8 @@ def cache_dir() -> str:
     return os.environ.get(CACHE_ENV_VAR) or os.path.join(os.path.expanduser("~"), ".cache", "ms_loadpatch")
 
 
-def _version(distribution: str) -> str:
+def distribution_version(distribution: str) -> str:
+    """The installed version of `distribution`, or "" when it is not installed."""
     try:
         return importlib.metadata.version(distribution)
     except importlib.metadata.PackageNotFoundError:
@@ -190,7 +191,7 @@ def cached_checkpoint(name: str, class_name: str, config: dict, max_shard_size=N
     generated in a child process on first use and kept in cache_dir().
     The directory name carries a hash of everything that shapes the files."""
     key_data = {"class": class_name, "library": library, "config": config, "shard": max_shard_size, "seed": seed,
-                "mindone": _version("mindone"), "mindspore": _version("mindspore"), "format": 1}
+                "mindone": distribution_version("mindone"), "mindspore": distribution_version("mindspore"), "format": 1}
     key = hashlib.sha256(json.dumps(key_data, sort_keys=True).encode()).hexdigest()[:12]
     target = os.path.join(cache_dir(), f"{name}-{key}")
     if os.path.isfile(os.path.join(target, ".complete")):

@@ -1,0 +1,86 @@
+"""The process state a load may change and must put back, and calls that
+must raise: shared by the bad-input, fault, interrupt, build-then-fill and
+adapter tests."""
+
+import os
+import threading
+
+import mindspore as ms
+import pytest
+import wrapt
+
+import ms_loadpatch
+from ms_loadpatch import core
+from ms_loadpatch.strategy import context
+from ms_loadpatch.strategy.building.lazy import CONSTRUCTION_LOCK
+
+
+def process_state() -> dict:
+    return {"enabled": ms_loadpatch.is_enabled(), "handles": dict(core._PATCHER._handles), "env": dict(os.environ)}
+
+
+def _lock_is_free() -> bool:
+    result = []
+
+    def probe():  # from another thread: the lock is re-entrant for its owner
+        got = CONSTRUCTION_LOCK.acquire(blocking=False)
+        if got:
+            CONSTRUCTION_LOCK.release()
+        result.append(got)
+
+    thread = threading.Thread(target=probe)
+    thread.start()
+    thread.join()
+    return result == [True]
+
+
+def assert_state_restored(before: dict) -> None:
+    """Every target still patched by the same, still installed, handle;
+    Parameter's no-init flag back on; the construction lock free; no
+    LoadContext left current; the environment unchanged."""
+    after = process_state()
+    assert after["enabled"] == before["enabled"]
+    assert after["handles"].keys() == before["handles"].keys()
+    for key, handle in before["handles"].items():
+        assert after["handles"][key] is handle, key
+        target = next(t for t in core.TARGETS if t.key == key)
+        _, _, installed = wrapt.resolve_path(__import__(target.module, fromlist=["_"]), target.path)
+        assert installed is handle, f"{key}: {installed!r} is installed instead of the handle"
+    assert getattr(ms.Parameter, "init_param", True) is True, "no_init_parameters' class flag left off"
+    assert _lock_is_free(), "construction lock still held"
+    assert context.current() is None, "a LoadContext is still current"
+    assert after["env"] == before["env"]
+    from ms_loadpatch.strategy import building
+
+    assert building.leftovers() == []  # fast construction: nn.Cell methods, class __init__s, gc, counts
+
+
+def raised_alike(unpatched_call, patched_call):
+    """The error of `unpatched_call()` (plugin off), after checking that
+    `patched_call()` (plugin on), run from the same global random state,
+    raises the same (type and message), leaves numpy's, Python's and
+    mindspore's generators where the unpatched call did, and leaves nothing
+    of the plugin behind."""
+    from ms_loadpatch.testing import global_random_state, random_state_difference, set_global_random_state
+
+    start = global_random_state()
+    with ms_loadpatch.disabled():
+        unpatched = raised(unpatched_call)
+    after_unpatched = global_random_state()
+    set_global_random_state(start)
+    before = process_state()
+    patched = raised(patched_call)
+    assert_state_restored(before)
+    assert type(patched) is type(unpatched) and str(patched) == str(unpatched)
+    moved = random_state_difference(after_unpatched, global_random_state())
+    assert moved is None, f"the patched call leaves {moved} elsewhere than the unpatched call"
+    return unpatched
+
+
+def raised(call):
+    """The exception `call()` raises; fails the test if it returns (a model would be half loaded)."""
+    try:
+        result = call()
+    except Exception as exc:  # noqa: BLE001 - the exception is what is being tested
+        return exc
+    pytest.fail(f"no exception: returned {type(result).__name__}")

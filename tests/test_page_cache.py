@@ -1,0 +1,89 @@
+"""MS_LOADPATCH_PAGE_CACHE (strategy/page_cache.py): `drop` leaves a
+checkpoint's pages out of the page cache once a patched load has read them
+(checked with mincore), `keep` (the default) leaves them in, and the model
+is the unpatched one either way."""
+
+import gc
+import logging
+import os
+
+import pytest
+
+import mindone.diffusers as md
+import mindone.transformers as mt
+import ms_loadpatch
+from ms_loadpatch.strategy import context, page_cache
+from ms_loadpatch.testing import assert_same_model, cpu_kernel_fallbacks
+
+from _helpers import tiny_qwen2_config, tiny_vae
+
+pytestmark = pytest.mark.usefixtures("cpu_kernels", "plugin_enabled")
+
+if page_cache.resident_fraction(__file__) is None:
+    pytest.skip("no mincore here (Linux only)", allow_module_level=True)
+
+
+def _files(directory):
+    return sorted(os.path.join(directory, n) for n in os.listdir(directory) if n.endswith(".safetensors"))
+
+
+def _evicted(directory):
+    """Every checkpoint file written back and its pages given back: a cold start
+    (models of earlier tests collected first: a mapping keeps its pages)."""
+    gc.collect()
+    for path in _files(directory):
+        with open(path, "rb+") as f:
+            os.fsync(f.fileno())
+            os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
+    fractions = [page_cache.resident_fraction(p) for p in _files(directory)]
+    if any(f > 0 for f in fractions):
+        pytest.skip(f"this filesystem keeps the pages whatever the advice ({fractions})")
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    root = tmp_path_factory.mktemp("page-cache")
+    with ms_loadpatch.disabled(), cpu_kernel_fallbacks():
+        mt.Qwen2ForCausalLM(tiny_qwen2_config()).save_pretrained(root / "qwen2", max_shard_size="20KB")
+        md.AutoencoderKL(**tiny_vae()).save_pretrained(root / "vae")
+    return {"qwen2": (mt.Qwen2ForCausalLM, str(root / "qwen2")), "vae": (md.AutoencoderKL, str(root / "vae"))}
+
+
+def test_resident_fraction_sees_a_read_and_an_eviction(checkpoints):
+    path = _files(checkpoints["vae"][1])[0]
+    _evicted(checkpoints["vae"][1])
+    assert page_cache.resident_fraction(path) == 0.0
+    with open(path, "rb") as f:
+        f.read()
+    assert page_cache.resident_fraction(path) == 1.0
+
+
+@pytest.mark.parametrize("name", ["qwen2", "vae"])
+@pytest.mark.parametrize("setting", ["drop", "keep", None])
+def test_policy_leaves_the_pages_as_asked_and_the_model_unchanged(checkpoints, monkeypatch, name, setting):
+    cls, directory = checkpoints[name]
+    if setting is None:
+        monkeypatch.delenv(page_cache.ENV_VAR, raising=False)
+    else:
+        monkeypatch.setenv(page_cache.ENV_VAR, setting)
+    _evicted(directory)
+    accelerated = cls.from_pretrained(directory)
+    assert context.last_report() is not None and context.last_report().tensors_read > 0
+    assert len(_files(directory)) > (1 if name == "qwen2" else 0)
+    fractions = [page_cache.resident_fraction(p) for p in _files(directory)]
+    if setting == "drop":
+        assert fractions == [0.0] * len(fractions)
+    else:  # keep, the default: as an unpatched load leaves them
+        assert fractions == [1.0] * len(fractions)
+    with ms_loadpatch.disabled():
+        reference = cls.from_pretrained(directory)
+    assert_same_model(reference, accelerated)
+
+
+def test_unknown_value_is_named_once_and_keeps(monkeypatch, caplog):
+    monkeypatch.setenv(page_cache.ENV_VAR, "evict-please")
+    with caplog.at_level(logging.WARNING, logger="ms_loadpatch"):
+        assert page_cache.policy() == page_cache.KEEP
+        assert page_cache.policy() == page_cache.KEEP
+    warnings = [r.getMessage() for r in caplog.records if page_cache.ENV_VAR in r.getMessage()]
+    assert len(warnings) == 1 and "evict-please" in warnings[0] and "keep, drop" in warnings[0]
