@@ -3,6 +3,7 @@ must raise: shared by the bad-input, fault, interrupt, build-then-fill and
 adapter tests."""
 
 import os
+import sys
 import threading
 
 import mindspore as ms
@@ -16,7 +17,8 @@ from ms_loadpatch.strategy.building.lazy import CONSTRUCTION_LOCK
 
 
 def process_state() -> dict:
-    return {"enabled": ms_loadpatch.is_enabled(), "handles": dict(core._PATCHER._handles), "env": dict(os.environ)}
+    return {"enabled": ms_loadpatch.is_enabled(), "handles": dict(core._PATCHER._handles), "env": dict(os.environ),
+            "modules": set(sys.modules)}
 
 
 def _lock_is_free() -> bool:
@@ -39,8 +41,14 @@ def assert_state_restored(before: dict) -> None:
     Parameter's no-init flag back on; the construction lock free; no
     LoadContext left current; the environment unchanged."""
     after = process_state()
-    assert after["enabled"] == before["enabled"]
-    assert after["handles"].keys() == before["handles"].keys()
+    assert after["enabled"] == before["enabled"], f"enabled {before['enabled']} -> {after['enabled']}"
+    # A module first imported during the call gets its targets patched by the
+    # post-import hook, as it would had it been imported before.
+    imported = after["modules"] - before["modules"]
+    added = after["handles"].keys() - before["handles"].keys()
+    unexplained = sorted(key for key in added if key.partition(":")[0] not in imported)
+    assert not unexplained, f"targets patched by the call: {unexplained}"
+    assert before["handles"].keys() <= after["handles"].keys(), "a patched target was unpatched by the call"
     for key, handle in before["handles"].items():
         assert after["handles"][key] is handle, key
         target = next(t for t in core.TARGETS if t.key == key)
@@ -49,10 +57,12 @@ def assert_state_restored(before: dict) -> None:
     assert getattr(ms.Parameter, "init_param", True) is True, "no_init_parameters' class flag left off"
     assert _lock_is_free(), "construction lock still held"
     assert context.current() is None, "a LoadContext is still current"
-    assert after["env"] == before["env"]
+    changed = {k for k in before["env"].keys() | after["env"].keys() if before["env"].get(k) != after["env"].get(k)}
+    assert not changed, f"environment variables changed: {sorted(changed)}"
     from ms_loadpatch.strategy import building
 
-    assert building.leftovers() == []  # fast construction: nn.Cell methods, class __init__s, gc, counts
+    left = building.leftovers()
+    assert left == [], f"fast construction left behind: {left}"  # fast construction: nn.Cell methods, class __init__s, gc, counts
 
 
 def raised_alike(unpatched_call, patched_call):
