@@ -87,3 +87,27 @@ def test_unknown_value_is_named_once_and_keeps(monkeypatch, caplog):
         assert page_cache.policy() == page_cache.KEEP
     warnings = [r.getMessage() for r in caplog.records if page_cache.ENV_VAR in r.getMessage()]
     assert len(warnings) == 1 and "evict-please" in warnings[0] and "keep, drop" in warnings[0]
+
+
+@pytest.mark.parametrize("name", ["qwen2", "vae"])
+def test_report_gives_each_file_read_and_whether_it_was_cold(checkpoints, monkeypatch, name):
+    """Each checkpoint file once in the report, with its size; cold after an
+    eviction, warm on the next load, which finds the pages `keep` left."""
+    monkeypatch.delenv(page_cache.ENV_VAR, raising=False)
+    cls, directory = checkpoints[name]
+    files = _files(directory)
+    _evicted(directory)
+    cls.from_pretrained(directory)
+    cold = context.last_report()
+    assert sorted(r.path for r in cold.files_read) == files
+    assert [r.bytes for r in sorted(cold.files_read, key=lambda r: r.path)] == [os.path.getsize(p) for p in files]
+    assert cold.bytes_read == sum(os.path.getsize(p) for p in files)
+    assert all(r.cold and r.cached == 0.0 and r.seconds >= 0 for r in cold.files_read)
+    assert f"0 of {len(files)} cold" not in cold.summary() and f"{len(files)} of {len(files)} cold" in cold.summary()
+    as_dict = cold.as_dict()
+    assert as_dict["bytes_read"] == cold.bytes_read and [r["cold"] for r in as_dict["files_read"]] == [True] * len(files)
+
+    cls.from_pretrained(directory)
+    warm = context.last_report()
+    assert all(r.cached == 1.0 and not r.cold for r in warm.files_read) and len(warm.files_read) == len(files)
+    assert f"0 of {len(files)} cold" in warm.summary()

@@ -39,6 +39,7 @@ class LoadReport:
         self.writes_deferred = 0  # in-place writes of the init pass on lazy parameters, recorded (deferred_writes)
         self.init_calls_replayed = 0  # init-pass calls on cells copied from one recipe, replayed
         self.shards = 0
+        self.files_read: list = []  # prefetch.FileRead per checkpoint file, in the order taken
         self.read_workers = 1  # files read at once (HF_ENABLE_PARALLEL_LOADING)
         self.read_threads = 1  # threads reading one large file, this rank's share of the node
         self.local_ranks = 1  # ranks of a distributed job on this node (strategy/ranks.py)
@@ -69,14 +70,22 @@ class LoadReport:
             self.not_copied = build.get("not_copied", {})
             self.host_tensors = build.get("host_tensors", 0)
 
+    @property
+    def bytes_read(self) -> int:
+        return sum(read.bytes for read in self.files_read)
+
     def as_dict(self) -> dict:
-        return {k: v for k, v in vars(self).items()}
+        fields = dict(vars(self))
+        fields["files_read"] = [read.as_dict() for read in self.files_read]
+        fields["bytes_read"] = self.bytes_read
+        return fields
 
     def summary(self) -> str:
         phases = ", ".join(f"{k} {v:.3f}s" for k, v in self.phases.items())
         return (
             f"{self.library} {self.model_class}: {self.total:.3f}s ({phases}); "
-            f"{self.tensors_read} tensors read from {self.shards} file(s) with {self.read_workers} worker(s) "
+            f"{self.tensors_read} tensors read from {self.shards} file(s){self._bytes_text()} "
+            f"with {self.read_workers} worker(s) "
             f"of up to {self.read_threads} thread(s){self._rank_text()}, "
             f"{self.tensors_assigned} assigned, {self.tensors_cast} cast{self._cast_text()}, "
             f"{self.missing_initialised} parameters initialised for missing weights{self._draws_text()}; "
@@ -90,6 +99,17 @@ class LoadReport:
         return (f", {self.draws_taken} random draws taken for lazy parameters ({self.initializers_run_in_full} "
                 f"initializers run in full, {self.filled_in_init_pass} parameters filled in the init pass, "
                 f"{self.writes_deferred} in-place writes deferred, {self.init_calls_replayed} of its calls replayed)")
+
+    def _bytes_text(self) -> str:
+        """Bytes read, over the span from the first read's start to the last's
+        end (reads overlap), and how many files came mostly from storage."""
+        if not self.files_read:
+            return ""
+        megabytes = self.bytes_read / 1e6
+        span = max(r.ended for r in self.files_read) - min(r.started for r in self.files_read)
+        rate = f", {megabytes / span:.0f} MB/s" if span > 0 else ""
+        cold = sum(1 for r in self.files_read if r.cold)
+        return f" ({megabytes:.1f} MB in {span:.3f}s{rate}; {cold} of {len(self.files_read)} cold)"
 
     def _cast_text(self) -> str:
         return cast_detail(self.tensors_cast_while_reading, self.tensors_read_again)

@@ -15,6 +15,8 @@ import ctypes.util
 import mmap
 import os
 
+import numpy as np
+
 from ..activation import env_choice
 
 ENV_VAR = "MS_LOADPATCH_PAGE_CACHE"
@@ -73,6 +75,6 @@ def resident_fraction(path) -> float | None:
             vector = ctypes.create_string_buffer(pages)
             if libc.mincore(address, size, vector) != 0:
                 return None
-            return sum(1 for byte in vector.raw if byte & 1) / pages
+            return int(np.count_nonzero(np.frombuffer(vector, np.uint8, pages) & 1)) / pages
         finally:
             libc.munmap(address, size)

@@ -12,8 +12,11 @@ from __future__ import annotations
 import json
 import os
 import threading
+import time
+from dataclasses import asdict, dataclass
 
 from ..activation import env_flag
+from . import page_cache
 from .ranks import node_share
 from .castread import Staging, read_cast
 from .reader import read_arrays
@@ -31,6 +34,42 @@ def parallel_workers() -> int:
         return 8
 
 
+@dataclass
+class FileRead:
+    """One checkpoint file's read: its size, when it started and ended
+    (perf_counter), and the share of its pages already in the page cache
+    when it started (None where that cannot be seen)."""
+
+    path: str
+    bytes: int
+    started: float
+    ended: float
+    cached: float | None
+
+    @property
+    def seconds(self) -> float:
+        return self.ended - self.started
+
+    @property
+    def cold(self) -> bool:
+        """Mostly read from storage rather than from the page cache."""
+        return self.cached is not None and self.cached < 0.5
+
+    def as_dict(self) -> dict:
+        return {**asdict(self), "seconds": self.seconds, "cold": self.cold}
+
+
+def timed_read(path, *args, **kwargs):
+    """(read_file's result, FileRead) for `path`."""
+    try:
+        cached = page_cache.resident_fraction(path)
+    except OSError:  # the read raises the error that names the file
+        cached = None
+    started = time.perf_counter()
+    result = read_file(path, *args, **kwargs)
+    return result, FileRead(path, os.path.getsize(path), started, time.perf_counter(), cached)
+
+
 # How often a caller waiting for a read looks at pending interrupts.
 INTERRUPT_CHECK_SECONDS = 0.05
 
@@ -41,6 +80,7 @@ class _Pending:
     def __init__(self):
         self.done = threading.Event()
         self.value = None
+        self.read: FileRead | None = None
         self.error: BaseException | None = None
 
 
@@ -95,7 +135,7 @@ class Prefetcher:
             try:
                 # a single file is all the load waits for: its read gets every thread from the start
                 threads = background_read_threads() if self._caller_busy and len(self._paths) > 1 else None
-                pending.value = read_file(path, self._cast_plan, threads, self._stop, staging)
+                pending.value, pending.read = timed_read(path, self._cast_plan, threads, self._stop, staging)
             except BaseException as exc:  # noqa: BLE001 - raised in the caller by take()
                 pending.error = exc
             finally:
@@ -105,11 +145,11 @@ class Prefetcher:
         """Whether `path` is one of the files this prefetcher was given."""
         return os.path.normpath(os.fspath(path)) in self._paths
 
-    def take(self, path):
+    def take(self, path, reads: list | None = None):
         """read_file's result for `path`, waiting for its read; None if `path`
         was not prefetched or its read has not started (the caller reads it
-        then). A read error is raised here, where a sequential read would
-        have raised it."""
+        then). Its FileRead is appended to `reads`. A read error is raised
+        here, where a sequential read would have raised it."""
         self._caller_busy = False
         path = os.path.normpath(os.fspath(path))
         with self._queue_lock:
@@ -128,9 +168,11 @@ class Prefetcher:
                 if isinstance(pending.error, ReadStopped):
                     return None  # stopped (cannot happen before close): read it here
                 raise pending.error
+            if reads is not None:
+                reads.append(pending.read)
             return pending.value
         finally:
-            pending.error = pending.value = None
+            pending.error = pending.value = pending.read = None
             self._slots.release()
 
     def close(self) -> None:
@@ -208,7 +250,13 @@ def start_prefetch(ctx, files: CheckpointFiles, cast_plan=None) -> Prefetcher | 
 
 
 def take_or_read(ctx, path):
-    """read_file's result for `path`: the prefetched read if there is one, else read now."""
-    prefetcher = ctx.state.prefetcher if ctx is not None else None
-    taken = prefetcher.take(os.path.normpath(os.fspath(path))) if prefetcher is not None else None
-    return taken if taken is not None else read_file(path, ctx.state.cast_plan if ctx else None)
+    """read_file's result for `path`: the prefetched read if there is one,
+    else read now; the read's FileRead appended to the load's report."""
+    prefetcher = ctx.state.prefetcher
+    reads = ctx.report.files_read
+    taken = prefetcher.take(os.path.normpath(os.fspath(path)), reads) if prefetcher is not None else None
+    if taken is not None:
+        return taken
+    result, read = timed_read(path, ctx.state.cast_plan)
+    reads.append(read)
+    return result
