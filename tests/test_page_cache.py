@@ -103,6 +103,8 @@ def test_report_gives_each_file_read_and_whether_it_was_cold(checkpoints, monkey
     assert [r.bytes for r in sorted(cold.files_read, key=lambda r: r.path)] == [os.path.getsize(p) for p in files]
     assert cold.bytes_read == sum(os.path.getsize(p) for p in files)
     assert all(r.cold and r.cached == 0.0 and r.seconds >= 0 for r in cold.files_read)
+    spans = sorted((r.started, r.ended) for r in cold.files_read)
+    assert max(r.seconds for r in cold.files_read) <= cold.read_seconds() <= spans[-1][1] - spans[0][0] + 1e-9
     assert f"0 of {len(files)} cold" not in cold.summary() and f"{len(files)} of {len(files)} cold" in cold.summary()
     as_dict = cold.as_dict()
     assert as_dict["bytes_read"] == cold.bytes_read and [r["cold"] for r in as_dict["files_read"]] == [True] * len(files)

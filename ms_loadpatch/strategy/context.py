@@ -78,6 +78,7 @@ class LoadReport:
         fields = dict(vars(self))
         fields["files_read"] = [read.as_dict() for read in self.files_read]
         fields["bytes_read"] = self.bytes_read
+        fields["read_seconds"] = self.read_seconds()
         return fields
 
     def summary(self) -> str:
@@ -100,16 +101,28 @@ class LoadReport:
                 f"initializers run in full, {self.filled_in_init_pass} parameters filled in the init pass, "
                 f"{self.writes_deferred} in-place writes deferred, {self.init_calls_replayed} of its calls replayed)")
 
+    def read_seconds(self) -> float:
+        """Seconds in which some checkpoint file was being read (reads overlap
+        each other, and waits for a slot fall between them)."""
+        total, end = 0.0, None
+        for read in sorted(self.files_read, key=lambda r: r.started):
+            if end is None or read.started > end:
+                total += read.ended - read.started
+                end = read.ended
+            elif read.ended > end:
+                total += read.ended - end
+                end = read.ended
+        return total
+
     def _bytes_text(self) -> str:
-        """Bytes read, over the span from the first read's start to the last's
-        end (reads overlap), and how many files came mostly from storage."""
+        """Bytes read, the seconds some read was running, and how many files
+        came mostly from storage."""
         if not self.files_read:
             return ""
-        megabytes = self.bytes_read / 1e6
-        span = max(r.ended for r in self.files_read) - min(r.started for r in self.files_read)
-        rate = f", {megabytes / span:.0f} MB/s" if span > 0 else ""
+        megabytes, seconds = self.bytes_read / 1e6, self.read_seconds()
+        rate = f", {megabytes / seconds:.0f} MB/s" if seconds > 0 else ""
         cold = sum(1 for r in self.files_read if r.cold)
-        return f" ({megabytes:.1f} MB in {span:.3f}s{rate}; {cold} of {len(self.files_read)} cold)"
+        return f" ({megabytes:.1f} MB in {seconds:.3f}s{rate}; {cold} of {len(self.files_read)} cold)"
 
     def _cast_text(self) -> str:
         return cast_detail(self.tensors_cast_while_reading, self.tensors_read_again)
