@@ -13,7 +13,7 @@ from mindspore import nn
 from _building_helpers import techniques_off
 from _building_helpers import checkpoints  # noqa: F401  (a fixture)
 from ms_loadpatch.strategy import building, context, switch
-from ms_loadpatch.strategy.building import deferred_writes, probe
+from ms_loadpatch.strategy.building import deferred_writes, draws, init_pass, probe
 from ms_loadpatch.strategy.building.lazy import CONSTRUCTION_LOCK
 from ms_loadpatch.testing import assert_same_model, load_both
 
@@ -21,7 +21,8 @@ pytestmark = pytest.mark.usefixtures("cpu_kernels", "plugin_enabled")
 
 
 NAMES = [t.name for t in building.TECHNIQUES]
-ROWS = NAMES + [deferred_writes.NAME]  # status also reports the init pass's deferred writes
+# status also reports the init pass's deferred writes and batched draws
+ROWS = NAMES + [deferred_writes.NAME, init_pass.BATCHED_DRAWS]
 
 
 @pytest.mark.matrix
@@ -39,7 +40,7 @@ def test_env_var_switches_techniques_off():
         states = {r["name"]: r["state"] for r in building.technique_status()}
         assert states == {"cell-init-template": "active", "signature-cache": "off", "primitive-defaults": "active",
                           "flat-name-walk": "active", "sibling-clone": "active", "gc-pause": "off",
-                          "host-factories": "active", "deferred-writes": "active"}
+                          "host-factories": "active", "deferred-writes": "active", "batched-draws": "active"}
         assert [t.name for t in building.active_techniques()] == ["cell-init-template", "primitive-defaults",
                                                                    "flat-name-walk", "sibling-clone"]
         assert [t.name for t in building.active_techniques(early=True)] == ["host-factories"]
@@ -110,7 +111,7 @@ class _SharedParameters(building.SiblingClone):
     def _learn(self, cell, first, snapshot):
         self.shared = {}
         recipe = self._write_recipe(cell)
-        return ("recipe" if recipe is not None else "never", recipe, snapshot)
+        return ("recipe" if recipe is not None else "never", recipe, snapshot, False)
 
     def _make(self, item, made):
         if item[0] == "param":
@@ -133,7 +134,7 @@ class _SharedOwnCopies(building.SiblingClone):
 
     def _learn(self, cell, first, snapshot):
         recipe = self._write_recipe(cell)
-        return ("recipe" if recipe is not None else "never", recipe, snapshot)
+        return ("recipe" if recipe is not None else "never", recipe, snapshot, False)
 
 
 class _SharedTensors(building.SiblingClone):
@@ -218,6 +219,7 @@ def test_failed_probe_skips_and_load_stays_identical(checkpoints, monkeypatch):
     monkeypatch.setattr(building, "_probe_results", failing)
     monkeypatch.setattr(deferred_writes, "_verified",
                         (frozenset(), {kind: "simulated probe failure" for kind in deferred_writes.KINDS}))
+    monkeypatch.setattr(draws, "_batched", ["simulated probe failure"])
     rows = building.technique_status()
     assert {r["state"] for r in rows} == {"skipped"} and all("simulated" in r["reason"] for r in rows)
     installs = []

@@ -314,3 +314,52 @@ def test_init_pass_never_replays_a_call_with_effects_beyond_its_draws(case, mixt
             assert all(cell.weight.marked_by_init and not cell.weight.requires_grad for cell in touched)
         if case == "buffer-write":
             assert all(cell.scale.asnumpy().tolist() == [2.0] * 4 for cell in touched)
+
+
+def test_batched_draws_are_checked_and_a_changed_numpy_seed_is_refused(monkeypatch):
+    """One randint of size n equals n of mindspore's draws on this numpy; a
+    `_numpy_seed` that is not the known one-line draw turns batching off."""
+    from mindspore.common import initializer as module
+
+    assert draws.batched_draws_problem() is None
+    monkeypatch.setattr(draws, "_batched", [])
+    monkeypatch.setattr(module, "_numpy_seed", lambda: np.random.randint(low=1, high=(1 << 62), dtype=np.int64))
+    assert "_numpy_seed is not" in draws.batched_draws_problem()
+    row = init_pass.batched_draws_row()
+    assert row["state"] == "skipped" and "_numpy_seed" in row["reason"]
+
+
+@pytest.fixture(scope="module")
+def mixtral_lacking_experts(tmp_path_factory):
+    """A tiny Mixtral checkpoint without the weights of several copied experts."""
+    root = _saved(tmp_path_factory, "draws-mixtral-lacking", lambda: mt.MixtralForCausalLM(_mixtral()))
+    path = os.path.join(root, "model.safetensors")
+    tensors = load_file(path)
+    for key in ("model.layers.0.block_sparse_moe.experts.5.w1.weight", "model.layers.1.block_sparse_moe.experts.6.w2.weight",
+                "model.layers.1.block_sparse_moe.experts.7.w3.weight"):
+        del tensors[key]
+    save_file(tensors, path, metadata={"format": "np"})
+    return root
+
+
+@pytest.mark.parametrize("batched", [True, False], ids=["batched", "one-by-one"])
+def test_replayed_draws_in_batches_give_the_unpatched_model_and_state(mixtral_lacking_experts, monkeypatch, batched):
+    """Replayed calls owe their draws, taken as one batch before anything else
+    runs: the experts the checkpoint lacks get the unpatched values, and
+    numpy's, Python's and mindspore's generators end where unpatched ones do,
+    as with the draws taken one by one (batched-draws switched off)."""
+    owed = []
+    take = draws.Ledger.take_owed_draws
+
+    def counting(ledger):
+        owed.append(len(ledger.owed))
+        take(ledger)
+
+    monkeypatch.setattr(draws.Ledger, "take_owed_draws", counting)
+    if not batched:
+        monkeypatch.setenv("MS_LOADPATCH_TECHNIQUES_OFF", init_pass.BATCHED_DRAWS)
+    ms.set_seed(5)
+    ref, acc = load_both(lambda: mt.MixtralForCausalLM.from_pretrained(mixtral_lacking_experts))
+    assert_same_model(ref, acc)
+    assert last_report().init_calls_replayed > 0
+    assert (max(owed, default=0) > 1) is batched, owed

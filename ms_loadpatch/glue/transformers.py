@@ -203,7 +203,7 @@ def _init_pass(owner, ledger, counts):
     flag_of, set_plain = cellpasses.flag_lookups()
     init_pass.run(owner, owner._init_weights, is_done=lambda cell: flag_of(cell, "_is_hf_initialized"),
                   mark_done=lambda cell: set_plain(cell, "_is_hf_initialized", True), ledger=ledger,
-                  copied_from=building.copied_from, counts=counts)
+                  copied_from=building.copied_from, counts=counts, owe_draws=True)
 
 
 # mindone 0.5's PreTrainedModel.tie_weights, which tie_weights below repeats: the names its code uses

@@ -99,6 +99,7 @@ def technique_status() -> list[dict]:
             rows.append(verdict.row(technique.name, None, technique.description, probe_result(technique),
                                     passed="probe passed: the probe model is identical with and without it"))
     rows.append(deferred_writes.status_row())
+    rows.append(init_pass.batched_draws_row())
     return rows
 
 

@@ -45,6 +45,9 @@ _install_lock = threading.Lock()
 _originals: dict = {}
 
 
+_OWED = object()  # a seed owed (Ledger.owed), never a value an initializer gets
+
+
 class _SeedTaken(Exception):
     """Raised by the patched _numpy_seed once it has taken the draw: the initializer stops before filling."""
 
@@ -213,6 +216,8 @@ class Ledger:
         self.assignments: list | None = None
         # id(initializer tensor) -> (tensor, [deferred_writes.Write]): writes to replay when it is filled
         self.writes: dict[int, tuple] = {}
+        # initializer tensors whose draw is owed, in order: taken together by take_owed_draws()
+        self.owed: list = []
 
     def take(self, tensor) -> None:
         """The draws the plain build makes when it fills `tensor` (a lazy
@@ -224,12 +229,18 @@ class Ledger:
         kind = type(init)
         if kind in no_draw:
             return
+        if self.owed and not (kind in one_draw and getattr(_local, "owing", False)):
+            self.take_owed_draws()  # the draws owed come first
         key = None
         if kind in one_draw:
             # what an initializer checks before its draw (sigma, fans, gain) depends on these alone
             try:
                 key = (kind, tensor.shape, tuple(v for k, v in vars(init).items() if k != "_kwargs"))
                 if key in self.reached_draw:
+                    if getattr(_local, "owing", False):
+                        self.seeds[id(tensor)] = (tensor, _OWED)  # taken once, at take_owed_draws()
+                        self.owed.append(tensor)
+                        return
                     self.seeds[id(tensor)] = (tensor, _originals["numpy_seed"]())
                     self.draws += 1
                     return
@@ -266,19 +277,34 @@ class Ledger:
         entry = self.seeds.get(id(tensor))
         return entry is not None and not isinstance(entry[1], np.ndarray)
 
-    def reinitialize(self, tensor, init, draws: bool) -> None:
+    def reinitialize(self, tensor, init, draws: bool, owe: bool = False) -> None:
         """What `param.set_data(initializer(init, shape, dtype))` does to a
         lazy parameter whose initializer tensor is `tensor` (same shape and
         dtype), without making a new tensor: `init` becomes its initializer,
         and its draw (`draws`: init's class draws once, as recorded from a
-        real call) is taken now."""
+        real call) is taken now, or (`owe`) owed until take_owed_draws(),
+        which the caller runs before anything else can draw from numpy."""
         tensor.init = init
         self.writes.pop(id(tensor), None)  # a new initializer replaces what was written before it
         if draws:
-            self.seeds[id(tensor)] = (tensor, _originals["numpy_seed"]())
-            self.draws += 1
+            self.seeds.pop(id(tensor), None)
+            if owe:
+                self.owed.append(tensor)
+            else:
+                self.seeds[id(tensor)] = (tensor, _originals["numpy_seed"]())
+                self.draws += 1
         else:
             self.seeds.pop(id(tensor), None)
+
+    def take_owed_draws(self) -> None:
+        """The owed draws, in the order owed, as one batch: the same numbers
+        and the same numpy state as one `_numpy_seed()` each (batched_draws_problem)."""
+        owed, self.owed = self.owed, []
+        if owed:
+            seeds = np.random.randint(low=1, high=_SEED_HIGH, dtype=np.int64, size=len(owed))
+            for tensor, seed in zip(owed, seeds):
+                self.seeds[id(tensor)] = (tensor, seed)
+            self.draws += len(owed)
 
 
 @contextlib.contextmanager
@@ -293,6 +319,30 @@ def accounting(ledger: Ledger):
             yield ledger
         finally:
             _local.ledger = outer
+
+
+@contextlib.contextmanager
+def owing():
+    """While held, in this thread, a lazy tensor that the ledger knows draws
+    once at once owes its draw: code that draws from numpy nowhere else (a
+    sibling-clone copy whose trial fill left numpy's state alone) takes the
+    owed draws as one batch when it ends."""
+    ledger = getattr(_local, "ledger", None)
+    if ledger is None or getattr(_local, "owing", False) or not batching_allowed():
+        yield
+        return
+    _local.owing = True
+    try:
+        yield
+    finally:
+        _local.owing = False
+        ledger.take_owed_draws()
+
+
+def batching_allowed() -> bool:
+    from .. import switch
+
+    return not switch.is_off(BATCHED_DRAWS) and batched_draws_problem() is None
 
 
 @contextlib.contextmanager
@@ -326,6 +376,52 @@ class _GiveBackOnly:
 
     def take(self, tensor) -> None:
         pass
+
+
+# -- n draws in one call (once per process)
+
+_SEED_HIGH = 1 << 63
+BATCHED_DRAWS = "batched-draws"  # MS_LOADPATCH_TECHNIQUES_OFF name: every draw taken on its own
+_batched: list = []  # [problem or None], once checked
+
+
+def _numpy_seed_as_known():
+    return np.random.randint(low=1, high=(1 << 63), dtype=np.int64)
+
+
+def batched_draws_problem() -> str | None:
+    """None when mindspore's `_numpy_seed` is the one-line draw this module
+    knows and, on this numpy, one randint of size n gives the same numbers
+    (type included) and leaves the same RandomState as n calls of it."""
+    if not _batched:
+        with _verify_lock:
+            if not _batched:
+                try:
+                    _batched.append(_check_batched_draws())
+                except Exception as exc:  # noqa: BLE001 - an internal it relies on changed
+                    _batched.append(f"{type(exc).__name__}: {exc}")
+    return _batched[0]
+
+
+def _check_batched_draws() -> str | None:
+    from mindspore.common import initializer as module
+
+    original = _originals.get("numpy_seed") or module._numpy_seed  # this module's stand-in while installed
+    known, theirs = _numpy_seed_as_known.__code__, getattr(original, "__code__", None)
+    if module.np is not np or theirs is None or (theirs.co_code, theirs.co_consts, theirs.co_names) != (
+            known.co_code, known.co_consts, known.co_names):
+        return "mindspore's initializer._numpy_seed is not np.random.randint(low=1, high=1 << 63, dtype=np.int64)"
+    for seed in (0, 1234, 2**32 - 1):
+        for n in (1, 2, 3, 17, 624, 1000):
+            one_by_one, batched = np.random.RandomState(seed), np.random.RandomState(seed)
+            singles = [one_by_one.randint(low=1, high=_SEED_HIGH, dtype=np.int64) for _ in range(n)]
+            batch = batched.randint(low=1, high=_SEED_HIGH, dtype=np.int64, size=n)
+            if [type(v) for v in singles] != [type(v) for v in batch] or list(batch) != singles:
+                return f"numpy {np.__version__}: randint(size={n}) gives other numbers than {n} calls"
+            a, b = one_by_one.get_state(), batched.get_state()
+            if a[0] != b[0] or not np.array_equal(a[1], b[1]) or a[2:] != b[2:]:
+                return f"numpy {np.__version__}: randint(size={n}) leaves another state than {n} calls"
+    return None
 
 
 # -- which classes draw as the tables say, on this mindspore (once per process)

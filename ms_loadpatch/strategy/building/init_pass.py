@@ -28,7 +28,10 @@ import threading
 
 import numpy as np
 
-from . import deferred_writes
+from .. import switch
+from . import deferred_writes, draws
+
+BATCHED_DRAWS = draws.BATCHED_DRAWS
 
 _APPLY_METHODS = ("apply", "cells", "name_cells")
 
@@ -65,31 +68,59 @@ def cells_in_apply_order(root):
             stack += [(child, False) for child in reversed(unique)]
 
 
-def run(root, initialize, is_done=None, mark_done=None, ledger=None, copied_from=None, counts=None) -> None:
+def run(root, initialize, is_done=None, mark_done=None, ledger=None, copied_from=None, counts=None,
+        owe_draws=False) -> None:
     """`root.apply(f)`'s calls, without its per-cell recursion, where `f` is
     mindone's `_initialize_weights`: `initialize(cell)` then `mark_done(cell)`
     unless `is_done(cell)` (without them: `initialize(cell)` alone). With a
     `ledger`, `copied_from(cell)` (the sibling-clone recipe of a copied cell)
     and the pass's `counts` (filling_on_touch's), calls on cells copied from
-    one recipe are replayed once three real ones agreed."""
-    replays = _Replays(ledger, counts) if ledger is not None and copied_from is not None else None
+    one recipe are replayed once three real ones agreed; with `owe_draws`
+    (is_done and mark_done run no code but the plugin's on a plain cell),
+    replays' draws are owed and taken as one batch before anything else runs."""
+    replays = _Replays(ledger, counts, owe_draws) if ledger is not None and copied_from is not None else None
+    settle = ledger.take_owed_draws if replays is not None else (lambda: None)
 
     def one(cell):
+        if replays is not None and ledger.owed and not _plain_cell(type(cell)):
+            settle()  # its flag's lookup may run the class's own code
         if is_done is not None and is_done(cell):
             return
         source = copied_from(cell) if replays is not None else None
         if source is None:
+            settle()
             initialize(cell)
         else:
             replays.call(cell, source, initialize)
         if mark_done is not None:
             mark_done(cell)
 
-    for cell, own in cells_in_apply_order(root):
-        if own:
-            cell.apply(one)
-        else:
-            one(cell)
+    try:
+        for cell, own in cells_in_apply_order(root):
+            if own:
+                settle()
+                with replays.one_by_one() if replays is not None else contextlib.nullcontext():
+                    cell.apply(one)
+            else:
+                one(cell)
+    finally:
+        settle()  # the draws of calls made before a failure, as the plain pass took them
+
+
+_plain_cells: dict[type, bool] = {}
+
+
+def _plain_cell(cls) -> bool:
+    """Attribute lookups and writes on `cls` are nn.Cell's (no code of the class's own runs)."""
+    plain = _plain_cells.get(cls)
+    if plain is None:
+        from mindspore import nn
+
+        plain = _plain_cells[cls] = (cls.__getattribute__ is object.__getattribute__
+                                     and cls.__getattr__ is nn.Cell.__getattr__
+                                     and cls.__setattr__ is nn.Cell.__setattr__
+                                     and not any(_FLAG in vars(klass) for klass in cls.__mro__))
+    return plain
 
 
 _FLAG = "_is_hf_initialized"
@@ -100,9 +131,19 @@ class _Replays:
 
     AGREEING_CALLS = 3  # real calls with one effect before it is replayed
 
-    def __init__(self, ledger, counts):
+    def __init__(self, ledger, counts, owe_draws=False):
         self.ledger, self.counts = ledger, counts
+        self.owe = owe_draws and draws.batching_allowed()
         self.entries: dict[int, list] = {}  # id(recipe) -> [effect, real calls agreeing (-1: never), recipe]
+
+    @contextlib.contextmanager
+    def one_by_one(self):
+        """Draws taken at once while code not the plugin's runs between calls (a class's own apply)."""
+        owe, self.owe = self.owe, False
+        try:
+            yield
+        finally:
+            self.owe = owe
 
     def call(self, cell, source, initialize) -> None:
         entry = self.entries.get(id(source))
@@ -111,6 +152,7 @@ class _Replays:
         if entry[1] >= self.AGREEING_CALLS and self._replay(cell, entry[0]):
             self.counts.replayed += 1
             return
+        self.ledger.take_owed_draws()  # before a real call, which may draw
         if entry[1] < 0 or entry[1] >= self.AGREEING_CALLS:
             initialize(cell)
             return
@@ -171,10 +213,11 @@ class _Replays:
             if tensor is None or tensor.init is None or tensor.shape != shape or tensor.dtype != dtype:
                 return False
             targets.append((tensor, kind, state, drew))
+        owe = self.owe and _plain_cell(type(cell))
         for tensor, kind, state, drew in targets:
             init = object.__new__(kind)
             init.__dict__.update({k: dict(v) if type(v) is dict else v for k, v in state})
-            self.ledger.reinitialize(tensor, init, drew)
+            self.ledger.reinitialize(tensor, init, drew, owe)
         return True
 
 
@@ -334,6 +377,18 @@ def _filling_first(cls, name, fill, recorder, builder):
 
     method.__name__ = name
     return method
+
+
+def batched_draws_row() -> dict:
+    """status()'s row for replays' draws taken in batches."""
+    from .. import verdict
+
+    description = ("the numpy draws of sibling-clone copies and of init-pass calls replayed on them taken as one "
+                   "randint per copy or run of replays (checked: mindspore's _numpy_seed, numpy's batched randint)")
+    if switch.is_off(BATCHED_DRAWS):
+        return verdict.row_off(BATCHED_DRAWS, None, description)
+    return verdict.row(BATCHED_DRAWS, None, description, draws.batched_draws_problem(),
+                       passed="probe passed: one randint of size n equals n of mindspore's draws here")
 
 
 def leftovers() -> list[str]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import time
 
 from . import draws, window
@@ -168,7 +169,8 @@ class SiblingClone(Technique):
             return init(cell, *args, **kwargs)
         if entry is not None and entry[0] == "recipe" and self._configs_unchanged(entry[2]):
             made_before = self.count.pending
-            self._fill_root(cell, entry[1])
+            with draws.owing() if entry[3] else contextlib.nullcontext():
+                self._fill_root(cell, entry[1])
             self.cloned += 1
             counts[1] += self.count.pending - made_before  # the cells of its subtree
             return None
@@ -220,12 +222,15 @@ class SiblingClone(Technique):
     def _learn(self, cell, first, snapshot):
         """The entry for a class and its arguments after a second real build:
         a recipe when both builds gave the same recipe and a copy made from
-        it equals the second cell, else "never" (built by its own __init__)."""
+        it equals the second cell, else "never" (built by its own __init__).
+        ("recipe", recipe, snapshot, owe): `owe` when the trial copy drew
+        nothing from numpy, so copies may owe their draws (draws.owing)."""
         recipe = self._write_recipe(cell, first=first) if first is not None else None
         if recipe is None:
             return ("never", "not copyable", snapshot)
         if not same_recipe(first[0], recipe):
             return ("never", "two builds with the same arguments gave different recipes", snapshot)
+        numpy_state = self.numpy.random.get_state()
         try:
             copy = type(cell).__new__(type(cell))
             with draws.suspended():  # a trial copy the plain build never makes: no draws
@@ -233,7 +238,14 @@ class SiblingClone(Technique):
             same = model_state(copy) == model_state(cell)
         except Exception as exc:
             return ("never", f"copying failed: {type(exc).__name__}: {exc}", snapshot)
-        return ("recipe", recipe, snapshot) if same else ("never", "a copy differs from a real build", snapshot)
+        finally:
+            # a copy that draws from numpy other than through the ledger takes its draws one by one
+            draws_elsewhere = not _same_numpy_state(numpy_state, self.numpy.random.get_state())
+            if draws_elsewhere:
+                self.numpy.random.set_state(numpy_state)
+        if not same:
+            return ("never", "a copy differs from a real build", snapshot)
+        return ("recipe", recipe, snapshot, not draws_elsewhere)
 
     def _new_cell(self, cls):
         cell = cls.__new__(cls)
@@ -305,3 +317,7 @@ class SiblingClone(Technique):
                 made[slot] = value
             return value
         raise AssertionError(kind)
+
+
+def _same_numpy_state(a, b) -> bool:
+    return a[0] == b[0] and (a[1] == b[1]).all() and a[2:] == b[2:]
