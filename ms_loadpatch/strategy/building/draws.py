@@ -411,8 +411,8 @@ def _check_batched_draws() -> str | None:
     if module.np is not np or theirs is None or (theirs.co_code, theirs.co_consts, theirs.co_names) != (
             known.co_code, known.co_consts, known.co_names):
         return "mindspore's initializer._numpy_seed is not np.random.randint(low=1, high=1 << 63, dtype=np.int64)"
-    for seed in (0, 1234, 2**32 - 1):
-        for n in (1, 2, 3, 17, 624, 1000):
+    for seed in (1234,):
+        for n in (1, 2, 17, 700):  # 700 draws refill MT19937's 624 words twice
             one_by_one, batched = np.random.RandomState(seed), np.random.RandomState(seed)
             singles = [one_by_one.randint(low=1, high=_SEED_HIGH, dtype=np.int64) for _ in range(n)]
             batch = batched.randint(low=1, high=_SEED_HIGH, dtype=np.int64, size=n)
