@@ -3,6 +3,7 @@ and a model's init pass runs over them (strategy/building/init_pass.py): the
 draws, the values of weights a checkpoint lacks, the order of the pass, and
 what they patch, only in the accounting thread and only while they run."""
 
+import contextlib
 import os
 import random
 import threading
@@ -342,24 +343,33 @@ def mixtral_lacking_experts(tmp_path_factory):
     return root
 
 
-@pytest.mark.parametrize("batched", [True, False], ids=["batched", "one-by-one"])
-def test_replayed_draws_in_batches_give_the_unpatched_model_and_state(mixtral_lacking_experts, monkeypatch, batched):
-    """Replayed calls owe their draws, taken as one batch before anything else
-    runs: the experts the checkpoint lacks get the unpatched values, and
-    numpy's, Python's and mindspore's generators end where unpatched ones do,
-    as with the draws taken one by one (batched-draws switched off)."""
-    owed = []
-    take = draws.Ledger.take_owed_draws
+@pytest.mark.parametrize("mode", ["copies-and-replays", "replays", "one-by-one"])
+def test_replayed_draws_in_batches_give_the_unpatched_model_and_state(mixtral_lacking_experts, monkeypatch, mode):
+    """Copies and replayed calls owe their draws, taken as one batch before
+    anything else runs (one mode with copies drawing one by one): the experts the checkpoint lacks get the unpatched
+    values, and numpy's, Python's and mindspore's generators end where
+    unpatched ones do, as with every draw taken on its own (batched-draws
+    switched off)."""
+    owed, owing = [], []
+    take, owing_context = draws.Ledger.take_owed_draws, draws.owing
 
     def counting(ledger):
         owed.append(len(ledger.owed))
         take(ledger)
 
+    def counting_owing():
+        owing.append(1)
+        return owing_context()
+
     monkeypatch.setattr(draws.Ledger, "take_owed_draws", counting)
-    if not batched:
+    monkeypatch.setattr(draws, "owing", counting_owing)
+    if mode == "replays":
+        monkeypatch.setattr(draws, "owing", contextlib.nullcontext)
+    if mode == "one-by-one":
         monkeypatch.setenv("MS_LOADPATCH_TECHNIQUES_OFF", init_pass.BATCHED_DRAWS)
     ms.set_seed(5)
     ref, acc = load_both(lambda: mt.MixtralForCausalLM.from_pretrained(mixtral_lacking_experts))
     assert_same_model(ref, acc)
-    assert last_report().init_calls_replayed > 0
-    assert (max(owed, default=0) > 1) is batched, owed
+    assert last_report().init_calls_replayed > 0 and last_report().cells_copied > 0
+    assert (max(owed, default=0) > 1) is (mode != "one-by-one"), owed
+    assert owing or mode != "copies-and-replays"  # copies owed their draws

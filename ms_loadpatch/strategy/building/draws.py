@@ -218,6 +218,7 @@ class Ledger:
         self.writes: dict[int, tuple] = {}
         # initializer tensors whose draw is owed, in order: taken together by take_owed_draws()
         self.owed: list = []
+        self._batching: bool | None = None  # batching_allowed(), read once per load
 
     def take(self, tensor) -> None:
         """The draws the plain build makes when it fills `tensor` (a lazy
@@ -296,6 +297,11 @@ class Ledger:
         else:
             self.seeds.pop(id(tensor), None)
 
+    def batching(self) -> bool:
+        if self._batching is None:
+            self._batching = batching_allowed()
+        return self._batching
+
     def take_owed_draws(self) -> None:
         """The owed draws, in the order owed, as one batch: the same numbers
         and the same numpy state as one `_numpy_seed()` each (batched_draws_problem)."""
@@ -328,7 +334,7 @@ def owing():
     sibling-clone copy whose trial fill left numpy's state alone) takes the
     owed draws as one batch when it ends."""
     ledger = getattr(_local, "ledger", None)
-    if ledger is None or getattr(_local, "owing", False) or not batching_allowed():
+    if ledger is None or getattr(_local, "owing", False) or not ledger.batching():
         yield
         return
     _local.owing = True

@@ -133,7 +133,7 @@ class _Replays:
 
     def __init__(self, ledger, counts, owe_draws=False):
         self.ledger, self.counts = ledger, counts
-        self.owe = owe_draws and draws.batching_allowed()
+        self.owe = owe_draws and ledger.batching()
         self.entries: dict[int, list] = {}  # id(recipe) -> [effect, real calls agreeing (-1: never), recipe]
 
     @contextlib.contextmanager

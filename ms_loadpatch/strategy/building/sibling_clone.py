@@ -321,3 +321,4 @@ class SiblingClone(Technique):
 
 def _same_numpy_state(a, b) -> bool:
     return a[0] == b[0] and (a[1] == b[1]).all() and a[2:] == b[2:]
+
