@@ -240,6 +240,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="loads per side, each in a fresh process; the median is shown (default 1)")
     bench.add_argument("--size", choices=("tiny", "default"), default="default",
                        help="size of the built-in checkpoint (when no PATH)")
+    bench.add_argument("--cold", action="store_true",
+                       help="give the checkpoint's pages back to the OS (posix_fadvise, no root) before each timed "
+                            "part, and time cold sequential and parallel reads of its files beside the loads")
     bench.add_argument("--memory", choices=MEMORY_MODES, default="primed",
                        help="primed (default): every process faults in and frees memory before each timed part; "
                             "as-is: count the machine's first-touch cost of fresh memory (large on some VMs)")

@@ -452,26 +452,44 @@ def _median_run(runs: list[dict]) -> dict:
 
 
 def run_bench(spec: LoadSpec, repeats: int = 3, floors: bool = True, progress: Progress | None = None,
-              timeout=None, memory: str = "primed", time_to_model: bool = True) -> dict:
+              timeout=None, memory: str = "primed", time_to_model: bool = True, cold: bool = False) -> dict:
     """Time unpatched vs patched from_pretrained (alternating, one fresh process
     per load), plus the floors, plus (time_to_model) a user's whole script in
-    a fresh process per side. Returns a JSON-ready dict (see format_table)."""
+    a fresh process per side; `cold`: the checkpoint's pages evicted before
+    each timed part, and the storage's cold floors measured. Returns a
+    JSON-ready dict (see format_table)."""
     if repeats < 1:
         raise UsageError("--repeats must be at least 1")
+    from . import cold as cold_runs  # numpy, mincore: only for a run
+
     prime = prime_bytes(spec, memory)
     runs = {"unpatched": [], "patched": []}
-    floor = None
+    files = spec.weight_files()
+    left_cached = []
+
+    def evicted():
+        if cold:
+            left_cached.append(cold_runs.evict(files))
+
+    floor = storage = None
     if floors:  # first: it also brings the files into the page cache for every load after it
         with _step(progress, "floors: read every checkpoint byte, construct without init"):
             floor = measure_floors(spec, timeout=timeout, prime=prime)
+    if cold:
+        with _step(progress, "storage floors: read the files cold, sequentially and with "
+                             f"{cold_runs.PARALLEL_THREADS} threads"):
+            storage = cold_runs.storage_floors(files)
+        left_cached.append(storage["resident_after_evict"])
     ttm_runs = {"unpatched": [], "patched": []}
     for i in range(repeats):
         for mode in ("unpatched", "patched"):  # alternating: slow drift of the machine hits both
             with _step(progress, f"{mode} load {i + 1}/{repeats}"):
+                evicted()
                 runs[mode].append(measure_load(spec, mode, timeout=timeout, prime=prime))
         if time_to_model:
             for mode in ("unpatched", "patched"):
                 with _step(progress, f"{mode} time to model {i + 1}/{repeats}"):
+                    evicted()
                     ttm_runs[mode].append(measure_time_to_model(spec, mode, timeout=timeout, prime=prime))
     sides = {}
     for mode, mode_runs in runs.items():
@@ -505,6 +523,11 @@ def run_bench(spec: LoadSpec, repeats: int = 3, floors: bool = True, progress: P
         "ratio": sides["unpatched"]["median_seconds"] / patched_median if patched_median > 0 else None,
         "floors": floor,
         "time_to_model": summarize_time_to_model(ttm_runs) if time_to_model else None,
+        "cold": None if not cold else {
+            "storage_floors": storage,
+            # the most of the checkpoint any eviction left cached (None: not measurable here)
+            "resident_after_evict": max((x for x in left_cached if x is not None), default=None),
+        },
     }
 
 
@@ -547,6 +570,12 @@ def format_table(results: dict, title: str | None = None) -> str:
     lines.append(f"  memory      {memory}" + (": each process faults in and frees memory before every timed part, "
                                               "so first-touch costs of the VM do not count" if memory == "primed" else
                                               ": fresh memory as the machine gives it (first-touch costs count)"))
+    cold = results.get("cold")
+    if cold:
+        left = cold["resident_after_evict"]
+        lines.append("  cache       cold: the checkpoint's pages given back to the OS before each timed part"
+                     + (f" ({left:.0%} of its bytes stayed cached)" if left else
+                        " (none stayed cached)" if left == 0 else " (not measurable here: no mincore)"))
     lines.append("")
     lines.append(f"  {'':24}{'unpatched':>12}{'patched':>12}")
     ratio = results["ratio"]
@@ -560,6 +589,15 @@ def format_table(results: dict, title: str | None = None) -> str:
     if results["repeats"] > 1:
         lines.append(f"  all runs (s): unpatched {' '.join(f'{x:.2f}' for x in unp['seconds'])}; "
                      f"patched {' '.join(f'{x:.2f}' for x in pat['seconds'])}")
+    storage = (cold or {}).get("storage_floors")
+    if storage:
+        size = ckpt["bytes"]
+        parallel = storage["parallel_seconds"]
+        lines.append(f"  storage, cold: sequential read {_s(storage['sequential_seconds'])} "
+                     f"({size / 2**20 / storage['sequential_seconds']:,.0f} MB/s), "
+                     f"{storage['parallel_threads']} threads x {_mb(storage['request_bytes'])} requests "
+                     f"{_s(parallel)} ({size / 2**20 / parallel:,.0f} MB/s); "
+                     f"patched load = {pat['median_seconds'] / parallel:.2f}x of the parallel read")
     ttm = results.get("time_to_model")
     if ttm:
         lines.append("")
@@ -633,7 +671,8 @@ def main(args) -> int:
             path = builtin_checkpoint(args.size, progress=progress)
             spec = LoadSpec.resolve(path, dtype=args.dtype)
             title = f"ms-loadpatch bench: built-in {args.size} checkpoint, {spec.class_name} (mindone.{spec.library})"
-        results = run_bench(spec, repeats=args.repeats, progress=progress, memory=args.memory)
+        results = run_bench(spec, repeats=args.repeats, progress=progress, memory=args.memory,
+                            cold=getattr(args, "cold", False))
     except UsageError as exc:
         print(f"ms-loadpatch bench: {exc}", file=sys.stderr)
         return 2
