@@ -156,7 +156,7 @@ def main(argv=None) -> int:
         for _ in range(args.repeats):
             for variant, _, off in chosen:
                 runs_of[variant].append(run_once(variant, off, class_name, config))
-        for variant, label, off in chosen:
+        for variant, label, _off in chosen:
             runs = runs_of[variant]
             seconds = [r["seconds"] for r in runs]
             rows.append({"variant": variant, "label": label, "runs": seconds,
@@ -175,7 +175,8 @@ def main(argv=None) -> int:
             lazy_floor = next((r for r in rows if r["variant"] == "lazy-floor"), floor)
             for r in rows:
                 base = lazy_floor if r["variant"].startswith("lazy-") else floor  # each against its own import
-                print(f"  {r['label']:58} {r['median_seconds']:8.3f} s  {r['median_seconds'] / base['median_seconds']:5.2f}x floor"
+                ratio = r["median_seconds"] / base["median_seconds"]
+                print(f"  {r['label']:58} {r['median_seconds']:8.3f} s  {ratio:5.2f}x floor"
                       + ("" if r["variant"].endswith("floor") else f"  {r['copied']} cells copied"))
             patched = next((r for r in rows if r["variant"] == "patched"), None)
             for name, reason in (patched["not_copied"] if patched else {}).items():

@@ -89,8 +89,9 @@ def _print_status(report: dict) -> None:
     for untested in report["untested"]:
         print(f"warning: {untested}; accepted because {report['activation']['allow_untested_var']} is set")
     activation = report["activation"]
+    hook = "installed" if activation["pth_installed"] else "not installed: use ms-loadpatch run"
     print(f"\nturned on by: import ms_loadpatch, or {activation['env_var']}=1 (currently "
-          f"{activation['env_value']!r}; .pth hook {'installed' if activation['pth_installed'] else 'not installed: use ms-loadpatch run'})")
+          f"{activation['env_value']!r}; .pth hook {hook})")
     _print_lazy_import(report["lazy_import"])
     print("\nversions:")
     for name, version in report["versions"].items():
@@ -124,7 +125,7 @@ def _print_status(report: dict) -> None:
     build = report.get("last_build")
     if build is not None:
         start = build["engaged_at"]
-        print(f"\nlast build in this process: "
+        print("\nlast build in this process: "
               + ("built plainly (fewer cells than the start cell)" if start is None else
                  f"fast construction from cell {start}, {build['cells_copied']} cells copied from recipes")
               + f", {build.get('host_tensors', 0)} factory tensors made on the host")

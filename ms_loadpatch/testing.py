@@ -301,7 +301,7 @@ def write_random_checkpoint(cls, config, directory, dtype="float32", max_shard_b
     shapes = {}
     for name, param in model.parameters_and_names():
         shapes[name] = tuple(param.shape)
-    for name, buffer in model.named_buffers():
+    for name, _buffer in model.named_buffers():
         shapes.setdefault(name, None)  # buffers are rebuilt by the model; not saved here
     del model
     rng = np.random.default_rng(seed)

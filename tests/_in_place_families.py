@@ -31,7 +31,8 @@ FAMILIES = {
 # families whose init pass writes in place into lazy parameters (Llama's writes go to its real embedding)
 WRITES_IN_PLACE = {"qwen3-moe", "qwen2-moe", "gemma2", "nllb-moe"}
 # weights a "lacking" checkpoint drops: an output head, a norm, a projection, one expert (where the family has them)
-DROPPED = ("lm_head.weight", "model.norm.weight", "model.layers.0.self_attn.q_proj.weight", "model.layers.1.mlp.experts.2.up_proj.weight",
+DROPPED = ("lm_head.weight", "model.norm.weight", "model.layers.0.self_attn.q_proj.weight",
+           "model.layers.1.mlp.experts.2.up_proj.weight",
            "model.decoder.layer_norm.weight", "model.decoder.layers.0.self_attn.q_proj.weight",
            "model.encoder.layers.1.ffn.fc1.weight")
 

@@ -5,7 +5,8 @@ and print the global generators' draws after each call as one JSON line.
 
 CASE: `diffusers-unet`, `diffusers-vae`, `diffusers-unet3d[-missing]` (from_pretrained of the checkpoint in
 DIRECTORY/CASE), `diffusers-controlnet` (ControlNetModel.from_unet of that
-UNet), `diffusers-single-file` (the UNet's file through from_single_file), `transformers-*` (from_pretrained of DIRECTORY/CASE, see
+UNet), `diffusers-single-file` (the UNet's file through from_single_file),
+`transformers-*` (from_pretrained of DIRECTORY/CASE, see
 TRANSFORMERS; `-bf16`: as bfloat16), `transformers-from-config`, `probes`
 (every probe the plugin runs, through status(), against no call at all).
 The plugin is on unless MS_LOADPATCH=0. After each load, a digest of every

@@ -101,7 +101,7 @@ class _SharedContainers(building.CellInitTemplate):
     """A template whose containers are shared between cells instead of fresh."""
 
     def install(self):
-        self.fresh = tuple((key, (lambda shared=factory(): shared)) for key, factory in self.fresh)
+        self.fresh = tuple((key, (lambda shared=factory(): shared)) for key, factory in self.fresh)  # noqa: B008
         return super().install()
 
 

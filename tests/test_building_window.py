@@ -262,7 +262,7 @@ def test_refresh_parameter_names_visits_each_cell_first(monkeypatch):
             block = Block()
             block.items[0].weight.name = "stale"
             seen = []
-            refresh_parameter_names(block, lambda cell: seen.append((cell, block.items[0].weight.name)))
+            refresh_parameter_names(block, lambda cell: seen.append((cell, block.items[0].weight.name)))  # noqa: B023
         assert [id(c) for c, _ in seen] == [id(c) for _, c in block.cells_and_names()]
         assert {name for _, name in seen} == {"stale"}
         assert block.items[0].weight.name == "items.0.weight"
@@ -294,7 +294,8 @@ def test_refresh_parameter_names_sets_only_what_differs(monkeypatch):
                 assert [(n, id(p)) for n, p in walked] == [(n, id(p)) for n, p in block.parameters_and_names()]
             block.items[1].weight.name = "stale"
             calls = []
-            monkeypatch.setattr(param_class, "name", property(real.fget, lambda p, v: (calls.append(v), real.fset(p, v))))
+            setter = lambda p, v: (calls.append(v), real.fset(p, v))  # noqa: B023, E731 - used in this iteration
+            monkeypatch.setattr(param_class, "name", property(real.fget, setter))
             try:
                 refresh_parameter_names(block)
             finally:

@@ -8,10 +8,10 @@ import textwrap
 
 import pytest
 
-pytestmark = pytest.mark.matrix
-
 from _helpers import installed_pth, report_of, run_python
 from ms_loadpatch.targets import TARGETS
+
+pytestmark = pytest.mark.matrix
 
 CHECKS = [
     "patched_after_import",
@@ -43,7 +43,8 @@ def test_target_patch_cycle(order_report, target):
 
 
 def test_import_does_not_import_mindspore():
-    proc = run_python("import sys, ms_loadpatch; print('REPORT', __import__('json').dumps(sorted(m for m in sys.modules if m.split('.')[0] in ('mindspore', 'mindone'))))")
+    proc = run_python("import sys, ms_loadpatch; print('REPORT', __import__('json').dumps(sorted("
+                      "m for m in sys.modules if m.split('.')[0] in ('mindspore', 'mindone'))))")
     assert report_of(proc) == []
 
 
@@ -73,7 +74,6 @@ def test_status_lists_patched_targets():
 
 @pytest.mark.parametrize("fake", [{"mindspore": "2.6.0"}, {"mindone": "0.4.0"}, {"mindspore": "3.0.0"}])
 def test_gate_refuses_unsupported_version(monkeypatch, caplog, fake):
-    import wrapt
     from packaging.version import Version
 
     import mindone.transformers.modeling_utils as mu

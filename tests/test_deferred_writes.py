@@ -109,7 +109,7 @@ def test_without_in_place_fallbacks_patched_loads_as_unpatched(tmp_path, family)
                                      directory=str(tmp_path / family))
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600,
                           env={**os.environ, "GLOG_v": "3"})
-    line = next((l for l in proc.stdout.splitlines() if l.startswith("RESULT ")), None)
+    line = next((text for text in proc.stdout.splitlines() if text.startswith("RESULT ")), None)
     assert line is not None, proc.stderr[-3000:]
     result = json.loads(line[len("RESULT "):])
     assert result["leftovers"] == []
@@ -183,7 +183,7 @@ def test_next_use_reads_what_the_code_does_with_data():
 
     for use in (method, subscript, store, escapes, other_method):
         use()
-    getattr(h, "data")  # a load not made by a LOAD_ATTR instruction: the value may go anywhere
+    getattr(h, "data")  # noqa: B009 - a load not made by a LOAD_ATTR instruction: the value may go anywhere
     assert seen == [("method", "normal_"), ("subscript",), ("store",), None, None, None]
 
 

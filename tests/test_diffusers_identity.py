@@ -189,7 +189,8 @@ MODEL_CASES = [
 ]
 
 
-@pytest.mark.parametrize("ckpt,sharded,target", MODEL_CASES, ids=["fp32-as-none", "fp32-as-bf16", "bf16-sharded-as-bf16", "fp16-as-fp32"])
+@pytest.mark.parametrize("ckpt,sharded,target", MODEL_CASES,
+                         ids=["fp32-as-none", "fp32-as-bf16", "bf16-sharded-as-bf16", "fp16-as-fp32"])
 @pytest.mark.parametrize("name", [n for n in CONFIGS if n != "UNet2DConditionModel"])
 def test_architectures(ckpts, name, ckpt, sharded, target):
     reference, accelerated = _load_pair(name, ckpts.path(name, ckpt, sharded), mindspore_dtype=target)
@@ -497,7 +498,7 @@ def test_parallel_flag_set_at_import(ckpts):
     env = dict(os.environ, HF_ENABLE_PARALLEL_LOADING="1", HF_PARALLEL_LOADING_WORKERS="3")
     env.pop("MS_LOADPATCH", None)
     proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
-    line = next((l for l in proc.stdout.splitlines() if l.startswith("REPORT ")), None)
+    line = next((text for text in proc.stdout.splitlines() if text.startswith("REPORT ")), None)
     assert line, proc.stderr[-3000:]
     result = json.loads(line[len("REPORT "):])
     assert result == {
@@ -516,7 +517,8 @@ def test_concurrent_loads_and_construction(ckpts):
     """Two patched loads in two threads, plus a plain construction in a third:
     each gets its own weights, and the plain one is not left lazy."""
     with ms_loadpatch.disabled(), cpu_kernel_fallbacks():
-        expected_unet = snapshot(D.UNet2DConditionModel.from_pretrained(ckpts.path("UNet2DConditionModel", BF16), mindspore_dtype=BF16))
+        expected_unet = snapshot(D.UNet2DConditionModel.from_pretrained(ckpts.path("UNet2DConditionModel", BF16),
+                                                                        mindspore_dtype=BF16))
         expected_vae = snapshot(D.AutoencoderKL.from_pretrained(ckpts.path("AutoencoderKL", FP32, sharded=True)))
     results, errors = {}, []
 

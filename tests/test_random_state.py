@@ -21,7 +21,8 @@ import pytest
 
 CHILD = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_random_state_child.py")
 # the version matrix runs the probes, what differs between mindspore versions (2 processes a version)
-CASES = ["diffusers-unet", "diffusers-vae", "diffusers-unet3d", "diffusers-unet3d-missing", "diffusers-controlnet", "diffusers-single-file", "transformers-from-config", pytest.param("probes", marks=pytest.mark.matrix),
+CASES = ["diffusers-unet", "diffusers-vae", "diffusers-unet3d", "diffusers-unet3d-missing", "diffusers-controlnet",
+         "diffusers-single-file", "transformers-from-config", pytest.param("probes", marks=pytest.mark.matrix),
          "transformers-qwen2", "transformers-qwen2-bf16", pytest.param("transformers-qwen2-missing", marks=pytest.mark.matrix),
          "transformers-mixtral", "transformers-qwen3-moe", "transformers-qwen3-moe-missing", "transformers-gemma2",
          "transformers-nllb-moe", "transformers-clip-text"]

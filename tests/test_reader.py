@@ -138,6 +138,6 @@ def test_patched_load_with_chunked_reads_is_identical(chunked, tmp_path, cpu_ker
     for dtype in (None, ms.bfloat16):
         kwargs = {"dtype": dtype} if dtype is not None else {}
         chunk_reads.clear()
-        reference, accelerated = load_both(lambda: mt.Qwen2ForCausalLM.from_pretrained(directory, **kwargs))
+        reference, accelerated = load_both(lambda: mt.Qwen2ForCausalLM.from_pretrained(directory, **kwargs))  # noqa: B023
         assert_same_model(reference, accelerated)
         assert len(chunk_reads) > len(shards)  # some file really came in chunks

@@ -24,7 +24,7 @@ import ms_loadpatch
 from ms_loadpatch.strategy import building
 from ms_loadpatch.strategy.building import state
 from ms_loadpatch.strategy.context import last_report
-from ms_loadpatch.testing import assert_same_model, compare, cpu_kernel_fallbacks, load_both, snapshot
+from ms_loadpatch.testing import assert_same_model, cpu_kernel_fallbacks, load_both
 
 ARCHS = {
     "qwen2": (
@@ -107,7 +107,7 @@ def _matrix_subset(arch, layout):
 
 
 @pytest.mark.parametrize("target", list(TARGETS))
-@pytest.mark.parametrize("arch,layout", [_matrix_subset(a, l) for a in ARCHS for l in LAYOUTS])
+@pytest.mark.parametrize("arch,layout", [_matrix_subset(arch, layout) for arch in ARCHS for layout in LAYOUTS])
 def test_identical_to_unpatched(checkpoints, arch, layout, target):
     cls = ARCHS[arch][0]
     kwargs = {} if TARGETS[target] is None else {"mindspore_dtype": TARGETS[target]}
@@ -149,7 +149,7 @@ def test_parallel_shard_loading(checkpoints, monkeypatch):
 def test_forward_pass_identical(checkpoints):
     ids = ms.Tensor(np.arange(12).reshape(1, 12) % 100, ms.int32)
     for layout in ("fp32", "bf16-sharded"):
-        ref, acc = load_both(lambda: mt.Qwen2ForCausalLM.from_pretrained(checkpoints["qwen2"][layout]))
+        ref, acc = load_both(lambda: mt.Qwen2ForCausalLM.from_pretrained(checkpoints["qwen2"][layout]))  # noqa: B023
         expected, actual = ref(ids)[0].asnumpy(), acc(ids)[0].asnumpy()
         assert np.array_equal(expected.view(np.uint32), actual.view(np.uint32))
 
@@ -178,7 +178,7 @@ def test_missing_and_unexpected_keys(checkpoints, tmp_path):
 
     path = _edit_checkpoint(checkpoints["qwen2"]["fp32"], str(tmp_path / "qwen2-missing"), edit)
     for kwargs in ({}, {"mindspore_dtype": ms.bfloat16}):
-        (ref, ref_info), (acc, acc_info) = load_both(lambda: _load(mt.Qwen2ForCausalLM, path, **kwargs))
+        (ref, ref_info), (acc, acc_info) = load_both(lambda: _load(mt.Qwen2ForCausalLM, path, **kwargs))  # noqa: B023
         assert acc_info == ref_info
         assert set(dropped) <= set(acc_info["missing_keys"]) and acc_info["unexpected_keys"] == ["model.extra_head.weight"]
         assert_same_model(ref, acc)

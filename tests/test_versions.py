@@ -4,10 +4,8 @@ Simulated versions and simulated missing features here; the real versions
 are run by `.ci/matrix` (the tests marked `matrix` below check the installed
 mindspore itself: it gets the fast path, or the gate refuses it cleanly)."""
 
-import json
 import logging
 import os
-import sys
 import textwrap
 
 import pytest
