@@ -29,9 +29,10 @@ def _types():
 
 def _kind_of(kind: type) -> int:
     cell_type, parameter_type, tensor_type, primitive_type = _mindspore_types or _types()
-    for base, code in ((_SCALARS, _SCALAR), (type, _CLASS),  # noqa: B007 - `code` is read after the break (cell_type, _CELL), (parameter_type, _PARAMETER),
-                       (tensor_type, _TENSOR), (primitive_type, _PRIMITIVE), (dict, _DICT), ((list, tuple), _SEQUENCE),
-                       ((set, frozenset), _SET)):
+    kinds = ((_SCALARS, _SCALAR), (type, _CLASS), (cell_type, _CELL), (parameter_type, _PARAMETER),
+             (tensor_type, _TENSOR), (primitive_type, _PRIMITIVE), (dict, _DICT), ((list, tuple), _SEQUENCE),
+             ((set, frozenset), _SET))
+    for base, code in kinds:  # noqa: B007 - `code` is read after the break
         if issubclass(kind, base):
             break
     else:
