@@ -373,3 +373,26 @@ def test_replayed_draws_in_batches_give_the_unpatched_model_and_state(mixtral_la
     assert last_report().init_calls_replayed > 0 and last_report().cells_copied > 0
     assert (max(owed, default=0) > 1) is (mode != "one-by-one"), owed
     assert owing or mode != "copies-and-replays"  # copies owed their draws
+
+
+def test_owed_draws_come_before_a_draw_taken_at_once():
+    """While a copy owes its draws, a parameter whose draw is not owed (its
+    initializer not seen drawing yet) takes the owed ones first: the seeds
+    follow the order in which the parameters were made, as one by one."""
+
+    def seeds(owe):
+        ledger = draws.Ledger()
+        made = [initializer(Normal(0.1), (2, 3), ms.float32), initializer(Normal(0.1), (2, 3), ms.float32),
+                initializer(Normal(0.2), (4, 5), ms.float32), initializer(Normal(0.1), (2, 3), ms.float32)]
+        np.random.seed(7)
+        with draws.accounting(ledger):
+            ledger.take(made[0])  # Normal(0.1), (2, 3) seen drawing
+            with draws.owing() if owe else contextlib.nullcontext():
+                for tensor in made[1:]:
+                    ledger.take(tensor)
+            assert not ledger.owed
+        return [int(ledger.seeds[id(t)][1]) for t in made], np.random.get_state()[1].copy()
+
+    assert draws.batched_draws_problem() is None
+    (owed, owed_state), (single, single_state) = seeds(True), seeds(False)
+    assert owed == single and np.array_equal(owed_state, single_state)

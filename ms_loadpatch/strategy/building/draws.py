@@ -230,8 +230,6 @@ class Ledger:
         kind = type(init)
         if kind in no_draw:
             return
-        if self.owed and not (kind in one_draw and getattr(_local, "owing", False)):
-            self.take_owed_draws()  # the draws owed come first
         key = None
         if kind in one_draw:
             # what an initializer checks before its draw (sigma, fans, gain) depends on these alone
@@ -242,11 +240,15 @@ class Ledger:
                         self.seeds[id(tensor)] = (tensor, _OWED)  # taken once, at take_owed_draws()
                         self.owed.append(tensor)
                         return
+                    if self.owed:
+                        self.take_owed_draws()
                     self.seeds[id(tensor)] = (tensor, _originals["numpy_seed"]())
                     self.draws += 1
                     return
             except TypeError:  # an attribute that cannot be hashed
                 key = None
+        if self.owed:
+            self.take_owed_draws()  # the initializer below draws: the draws owed come first
         from mindspore.common import dtype as mstype
 
         # what Tensor.init_data fills (int8 holds qint4x2)
@@ -391,6 +393,11 @@ BATCHED_DRAWS = "batched-draws"  # MS_LOADPATCH_TECHNIQUES_OFF name: every draw 
 _batched: list = []  # [problem or None], once checked
 
 
+def same_numpy_state(a, b) -> bool:
+    """Two `RandomState.get_state()` tuples are the same state."""
+    return a[0] == b[0] and np.array_equal(a[1], b[1]) and a[2:] == b[2:]
+
+
 def _numpy_seed_as_known():
     return np.random.randint(low=1, high=(1 << 63), dtype=np.int64)
 
@@ -424,8 +431,7 @@ def _check_batched_draws() -> str | None:
             batch = batched.randint(low=1, high=_SEED_HIGH, dtype=np.int64, size=n)
             if [type(v) for v in singles] != [type(v) for v in batch] or list(batch) != singles:
                 return f"numpy {np.__version__}: randint(size={n}) gives other numbers than {n} calls"
-            a, b = one_by_one.get_state(), batched.get_state()
-            if a[0] != b[0] or not np.array_equal(a[1], b[1]) or a[2:] != b[2:]:
+            if not same_numpy_state(one_by_one.get_state(), batched.get_state()):
                 return f"numpy {np.__version__}: randint(size={n}) leaves another state than {n} calls"
     return None
 

@@ -200,7 +200,8 @@ class _Replays:
             if not all(_plain_value(v) for _, v in state):
                 return None
             effect.append((attr, type(init), state, tensor.shape, tensor.dtype, drew))
-        if len({item[0] for item in effect}) != len(effect) or not _same_state(replayed, np.random.get_state()):
+        same_draws = draws.same_numpy_state(replayed.get_state(), np.random.get_state())
+        if len({item[0] for item in effect}) != len(effect) or not same_draws:
             return None
         return effect
 
@@ -263,11 +264,6 @@ def _plain_value(value) -> bool:
     if type(value) is dict:
         return all(isinstance(v, _SCALARS) for v in value.values())
     return isinstance(value, _SCALARS) or type(value) is tuple and all(isinstance(v, _SCALARS) for v in value)
-
-
-def _same_state(generator, state) -> bool:
-    mine = generator.get_state()
-    return mine[0] == state[0] and np.array_equal(mine[1], state[1]) and mine[2:] == state[2:]
 
 
 class PassCounts:

@@ -240,7 +240,7 @@ class SiblingClone(Technique):
             return ("never", f"copying failed: {type(exc).__name__}: {exc}", snapshot)
         finally:
             # a copy that draws from numpy other than through the ledger takes its draws one by one
-            draws_elsewhere = not _same_numpy_state(numpy_state, self.numpy.random.get_state())
+            draws_elsewhere = not draws.same_numpy_state(numpy_state, self.numpy.random.get_state())
             if draws_elsewhere:
                 self.numpy.random.set_state(numpy_state)
         if not same:
@@ -317,8 +317,4 @@ class SiblingClone(Technique):
                 made[slot] = value
             return value
         raise AssertionError(kind)
-
-
-def _same_numpy_state(a, b) -> bool:
-    return a[0] == b[0] and (a[1] == b[1]).all() and a[2:] == b[2:]
 
