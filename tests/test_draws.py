@@ -169,10 +169,15 @@ def _saved(tmp_path_factory, name, build):
 def lacking_checkpoint(tmp_path_factory):
     """A tiny Qwen2 checkpoint without some weights of several kinds."""
     root = _saved(tmp_path_factory, "draws", lambda: mt.Qwen2ForCausalLM(tiny_qwen2_config()))
+    return _without(root, ("model.layers.0.self_attn.q_proj.weight", "model.layers.0.self_attn.q_proj.bias",
+                           "model.layers.1.mlp.down_proj.weight", "model.embed_tokens.embedding_table"))
+
+
+def _without(root, keys):
+    """`root`, its model.safetensors saved again without `keys`."""
     path = os.path.join(root, "model.safetensors")
     tensors = load_file(path)
-    for key in ("model.layers.0.self_attn.q_proj.weight", "model.layers.0.self_attn.q_proj.bias",
-                "model.layers.1.mlp.down_proj.weight", "model.embed_tokens.embedding_table"):
+    for key in keys:
         del tensors[key]
     save_file(tensors, path, metadata={"format": "np"})
     return root
@@ -334,13 +339,9 @@ def test_batched_draws_are_checked_and_a_changed_numpy_seed_is_refused(monkeypat
 def mixtral_lacking_experts(tmp_path_factory):
     """A tiny Mixtral checkpoint without the weights of several copied experts."""
     root = _saved(tmp_path_factory, "draws-mixtral-lacking", lambda: mt.MixtralForCausalLM(_mixtral()))
-    path = os.path.join(root, "model.safetensors")
-    tensors = load_file(path)
-    for key in ("model.layers.0.block_sparse_moe.experts.5.w1.weight", "model.layers.1.block_sparse_moe.experts.6.w2.weight",
-                "model.layers.1.block_sparse_moe.experts.7.w3.weight"):
-        del tensors[key]
-    save_file(tensors, path, metadata={"format": "np"})
-    return root
+    return _without(root, ("model.layers.0.block_sparse_moe.experts.5.w1.weight",
+                           "model.layers.1.block_sparse_moe.experts.6.w2.weight",
+                           "model.layers.1.block_sparse_moe.experts.7.w3.weight"))
 
 
 @pytest.mark.parametrize("mode", ["copies-and-replays", "replays", "one-by-one"])
