@@ -13,6 +13,7 @@ import mindone.diffusers as md
 import mindone.transformers as mt
 import ms_loadpatch
 from ms_loadpatch.strategy import context, page_cache
+from ms_loadpatch.strategy.threaded_read import cold_read_plan
 from ms_loadpatch.testing import assert_same_model, cpu_kernel_fallbacks
 
 from _helpers import tiny_qwen2_config, tiny_vae
@@ -103,6 +104,7 @@ def test_report_gives_each_file_read_and_whether_it_was_cold(checkpoints, monkey
     assert [r.bytes for r in sorted(cold.files_read, key=lambda r: r.path)] == [os.path.getsize(p) for p in files]
     assert cold.bytes_read == sum(os.path.getsize(p) for p in files)
     assert all(r.cold and r.cached == 0.0 and r.seconds >= 0 for r in cold.files_read)
+    assert all(r.threads == cold_read_plan().threads for r in cold.files_read)  # the cold plan
     spans = sorted((r.started, r.ended) for r in cold.files_read)
     assert max(r.seconds for r in cold.files_read) <= cold.read_seconds() <= spans[-1][1] - spans[0][0] + 1e-9
     assert f"0 of {len(files)} cold" not in cold.summary() and f"{len(files)} of {len(files)} cold" in cold.summary()
@@ -112,4 +114,5 @@ def test_report_gives_each_file_read_and_whether_it_was_cold(checkpoints, monkey
     cls.from_pretrained(directory)
     warm = context.last_report()
     assert all(r.cached == 1.0 and not r.cold for r in warm.files_read) and len(warm.files_read) == len(files)
+    assert all(r.threads < cold_read_plan().threads for r in warm.files_read)  # today's plan
     assert f"0 of {len(files)} cold" in warm.summary()

@@ -141,3 +141,32 @@ def test_patched_load_with_chunked_reads_is_identical(chunked, tmp_path, cpu_ker
         reference, accelerated = load_both(lambda: mt.Qwen2ForCausalLM.from_pretrained(directory, **kwargs))  # noqa: B023
         assert_same_model(reference, accelerated)
         assert len(chunk_reads) > len(shards)  # some file really came in chunks
+
+
+def test_cold_plan_splits_reads_the_warm_plan_reads_whole(tmp_path, monkeypatch):
+    """A cold file's read of 8 MB or more goes out as several requests at
+    once (many in flight for storage with a delay per request); the same read
+    on the warm plan is one request, as before. MS_LOADPATCH_COLD_READ_THREADS
+    sets the node's count, divided among its ranks."""
+    data = np.random.default_rng(0).integers(0, 256, size=12 << 20, dtype=np.uint8)
+    path = tmp_path / "blob"
+    data.tofile(path)
+    offsets = []
+    real = threaded_read._pread_into
+    monkeypatch.setattr(threaded_read, "_pread_into",
+                        lambda fd, view, offset, *rest: offsets.append(offset) or real(fd, view, offset, *rest))
+    monkeypatch.delenv(threaded_read.COLD_READ_THREADS_ENV_VAR, raising=False)
+    monkeypatch.setenv("MS_LOADPATCH_LOCAL_RANKS", "1")
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        for plan, requests in ((threaded_read.cold_read_plan(), 6), (None, 1)):
+            offsets.clear()
+            buffer = np.empty_like(data)
+            assert threaded_read.read_into(fd, buffer, 0, plan) == len(data)
+            assert np.array_equal(buffer, data) and len(offsets) == requests, (plan, offsets)
+    finally:
+        os.close(fd)
+    assert threaded_read.cold_read_plan().threads == threaded_read.COLD_READ_THREADS
+    monkeypatch.setenv(threaded_read.COLD_READ_THREADS_ENV_VAR, "32")
+    monkeypatch.setenv("MS_LOADPATCH_LOCAL_RANKS", "4")
+    assert threaded_read.cold_read_plan().threads == 8 and threaded_read.cold_read_plan().cold

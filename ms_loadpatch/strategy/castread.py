@@ -35,7 +35,7 @@ import numpy as np
 
 from . import page_cache, randomstate, switch, verdict
 from .safetensors_header import CheckpointError, checkpoint_os_error, read_header_from, unchanged_file
-from .threaded_read import data_buffer, read_into, read_threads, run_in_threads
+from .threaded_read import ReadPlan, as_plan, data_buffer, read_into, read_threads, run_in_threads
 
 NAME = "cast-on-read"
 DESCRIPTION = ("a load asked for another dtype reads the tensors it casts through a reused staging buffer into "
@@ -348,12 +348,12 @@ def _fault_in(buffer: np.ndarray, threads: int, stop) -> None:
                    stop or threading.Event(), "faulting in cast memory")
 
 
-def read_cast(path, plan: CastPlan, threads: int | None = None, stop=None, staging: Staging | None = None):
+def read_cast(path, plan: CastPlan, threads: ReadPlan | int | None = None, stop=None, staging: Staging | None = None):
     """(arrays, metadata, cast_at_read) of one file: reader.read_arrays'
     arrays, except that those `plan` casts are in its dtype and named in
     `cast_at_read` (name -> CastAtRead). The same checks and errors as
     read_arrays: a file changed during the read is refused."""
-    threads = read_threads() if threads is None else threads
+    threads = as_plan(threads)
     staging = staging or Staging()
     with unchanged_file(path) as (f, header, identity):
         runs, kept = _segments(header.entries, plan)
@@ -363,7 +363,7 @@ def read_cast(path, plan: CastPlan, threads: int | None = None, stop=None, stagi
         run_offsets, out_total = _offsets([(end - begin) // dtype.itemsize * out_item
                                            for dtype, begin, end, _ in runs])
         kept_buffer, out = data_buffer(path, kept_total), data_buffer(path, out_total)
-        _fault_in(out, threads, stop)
+        _fault_in(out, min(threads.threads, read_threads()), stop)  # faults take cores, not waits
         fd, short = f.fileno(), None
         for (begin, end), offset in zip(kept_ranges, kept_offsets):
             got = read_into(fd, kept_buffer[offset:offset + end - begin], header.data_start + begin, threads,

@@ -121,8 +121,9 @@ class LoadReport:
             return ""
         megabytes, seconds = self.bytes_read / 1e6, self.read_seconds()
         rate = f", {megabytes / seconds:.0f} MB/s" if seconds > 0 else ""
-        cold = sum(1 for r in self.files_read if r.cold)
-        return f" ({megabytes:.1f} MB in {seconds:.3f}s{rate}; {cold} of {len(self.files_read)} cold)"
+        cold = [r for r in self.files_read if r.cold]
+        threads = f", read with {max(r.threads for r in cold)} threads" if cold else ""
+        return f" ({megabytes:.1f} MB in {seconds:.3f}s{rate}; {len(cold)} of {len(self.files_read)} cold{threads})"
 
     def _cast_text(self) -> str:
         return cast_detail(self.tensors_cast_while_reading, self.tensors_read_again)

@@ -24,6 +24,15 @@ KEEP, DROP = "keep", "drop"
 CHOICES = (KEEP, DROP)
 
 
+# A file with less than this share of its pages cached is read as cold.
+COLD_BELOW = 0.5
+
+
+def is_cold(cached: float | None) -> bool:
+    """Whether a file with `cached` (resident_fraction) is mostly not in the page cache."""
+    return cached is not None and cached < COLD_BELOW
+
+
 def policy() -> str:
     """KEEP or DROP, read at each use (a job may set it between loads)."""
     return env_choice(ENV_VAR, CHOICES)

@@ -20,7 +20,7 @@ from . import page_cache
 from .ranks import node_share
 from .castread import Staging, read_cast
 from .reader import read_arrays
-from .threaded_read import ReadStopped, background_read_threads, join_or_leave, read_threads
+from .threaded_read import ReadStopped, as_plan, background_read_threads, cold_read_plan, join_or_leave, read_threads
 
 
 def parallel_workers() -> int:
@@ -37,14 +37,15 @@ def parallel_workers() -> int:
 @dataclass
 class FileRead:
     """One checkpoint file's read: its size, when it started and ended
-    (perf_counter), and the share of its pages already in the page cache
-    when it started (None where that cannot be seen)."""
+    (perf_counter), the share of its pages already in the page cache when it
+    started (None where that cannot be seen), and the threads read with."""
 
     path: str
     bytes: int
     started: float
     ended: float
     cached: float | None
+    threads: int = 1
 
     @property
     def seconds(self) -> float:
@@ -53,21 +54,28 @@ class FileRead:
     @property
     def cold(self) -> bool:
         """Mostly read from storage rather than from the page cache."""
-        return self.cached is not None and self.cached < 0.5
+        return page_cache.is_cold(self.cached)
 
     def as_dict(self) -> dict:
         return {**asdict(self), "seconds": self.seconds, "cold": self.cold}
 
 
-def timed_read(path, *args, **kwargs):
-    """(read_file's result, FileRead) for `path`."""
+def _cached_share(path) -> float | None:
     try:
-        cached = page_cache.resident_fraction(path)
+        return page_cache.resident_fraction(path)
     except OSError:  # the read raises the error that names the file
-        cached = None
+        return None
+
+
+def timed_read(path, cast_plan=None, threads=None, stop=None, staging=None):
+    """(read_file's result, FileRead) for `path`: read with `threads` (a
+    thread count, None for read_threads()) when it is in the page cache, with
+    the cold plan (many requests in flight) when it is mostly not."""
+    cached = _cached_share(path)
+    plan = cold_read_plan() if page_cache.is_cold(cached) else as_plan(threads)
     started = time.perf_counter()
-    result = read_file(path, *args, **kwargs)
-    return result, FileRead(path, os.path.getsize(path), started, time.perf_counter(), cached)
+    result = read_file(path, cast_plan, plan, stop, staging)
+    return result, FileRead(path, os.path.getsize(path), started, time.perf_counter(), cached, plan.threads)
 
 
 # How often a caller waiting for a read looks at pending interrupts.
@@ -223,7 +231,10 @@ def local_checkpoint_files(candidates) -> CheckpointFiles:
 def read_file(path, cast_plan=None, threads=None, stop=None, staging=None, separate=False):
     """(arrays, metadata, cast_at_read) of one file: castread.read_cast with
     a plan, else reader.read_arrays (nothing cast while reading; `separate`:
-    a buffer per tensor)."""
+    a buffer per tensor). `threads`: a ReadPlan, a thread count, or None for
+    the plan the file's presence in the page cache calls for."""
+    if threads is None:
+        threads = cold_read_plan() if page_cache.is_cold(_cached_share(path)) else None
     if cast_plan is None:
         return (*read_arrays(path, threads, stop, separate), {})
     return read_cast(path, cast_plan, threads, stop, staging)

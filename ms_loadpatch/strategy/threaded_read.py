@@ -11,9 +11,11 @@ import logging
 import os
 import threading
 import time
+from dataclasses import dataclass
 
 import numpy as np
 
+from ..activation import env_int
 from .ranks import NodeShare, node_share
 
 logger = logging.getLogger("ms_loadpatch")
@@ -37,6 +39,44 @@ def background_read_threads(share: NodeShare | None = None) -> int:
     """Threads for a read that runs beside other work: one core left to it."""
     share = share or node_share()
     return share.divide(max(1, share.cores - 1))
+
+
+@dataclass(frozen=True)
+class ReadPlan:
+    """How one file's data is read: by up to `threads` threads, a read of
+    `split_from` bytes (default PARALLEL_READ_MIN_BYTES) or more split among
+    them; `cold` for a file mostly not in the page cache."""
+
+    threads: int
+    split_from: int | None = None
+    cold: bool = False
+
+    def splits(self, nbytes: int) -> bool:
+        """Whether a read of `nbytes` is split among the threads."""
+        return self.threads > 1 and nbytes >= (PARALLEL_READ_MIN_BYTES if self.split_from is None else self.split_from)
+
+
+COLD_READ_THREADS_ENV_VAR = "MS_LOADPATCH_COLD_READ_THREADS"
+COLD_READ_THREADS = 16
+# A cold read is split from here: on storage with a delay per request, one
+# stream of even a small file waits on each request in turn.
+COLD_SPLIT_FROM = 8 << 20
+
+
+def cold_read_plan(share: NodeShare | None = None) -> ReadPlan:
+    """The plan for a cold file: requests in flight sized for the storage
+    (a delay per request, a cap per stream), not for the cores, since its
+    threads mostly wait; MS_LOADPATCH_COLD_READ_THREADS (default 16) for the
+    node, divided among its ranks."""
+    share = share or node_share()
+    return ReadPlan(share.divide(env_int(COLD_READ_THREADS_ENV_VAR) or COLD_READ_THREADS), COLD_SPLIT_FROM, cold=True)
+
+
+def as_plan(threads) -> ReadPlan:
+    """A ReadPlan from what readers are given: a plan, a thread count, or None (read_threads())."""
+    if isinstance(threads, ReadPlan):
+        return threads
+    return ReadPlan(read_threads() if threads is None else threads)
 
 
 # One read(2) at most this long: a stop request is seen between two.
@@ -130,35 +170,40 @@ def run_in_threads(calls, name: str, stop, what: str) -> list:
     return results
 
 
-def read_into(fd: int, buffer: np.ndarray, offset: int, threads: int | None = None, stop=None, what="a read") -> int:
+def read_into(fd: int, buffer: np.ndarray, offset: int, threads: ReadPlan | int | None = None, stop=None,
+              what="a read") -> int:
     """Read len(buffer) bytes of `fd` from `offset` into `buffer`, split
-    across threads (read_parts) for large reads; the count read. `stop` (an
-    Event) ends it early with ReadStopped."""
+    across threads (read_parts) for large reads (`threads`: a ReadPlan or a
+    thread count); the count read. `stop` (an Event) ends it early with
+    ReadStopped."""
     view = memoryview(buffer).cast("B")
-    threads = read_threads() if threads is None else threads
-    if not hasattr(os, "preadv") or threads <= 1 or len(view) < PARALLEL_READ_MIN_BYTES:
+    plan = as_plan(threads)
+    threads = plan.threads
+    if not hasattr(os, "preadv") or not plan.splits(len(view)):
         bounds = [(0, len(view))]
     else:
         share = -(-len(view) // threads)
         step = -(-share // _ALIGN) * _ALIGN  # at least a share: each chunk a run (a thread) of its own
         bounds = [(lo, min(lo + step, len(view))) for lo in range(0, len(view), step)]
-    counts = read_parts(fd, [(view[lo:hi], offset + lo) for lo, hi in bounds], threads, stop, what)
+    counts = read_parts(fd, [(view[lo:hi], offset + lo) for lo, hi in bounds], plan, stop, what)
     for (lo, hi), count in zip(bounds, counts):
         if count != hi - lo:  # a short chunk: the file ends inside it
             return lo + count
     return len(view)
 
 
-def read_parts(fd: int, parts, threads: int | None = None, stop=None, what="a read") -> list:
+def read_parts(fd: int, parts, threads: ReadPlan | int | None = None, stop=None, what="a read") -> list:
     """Read each (byte buffer, file offset) of `parts` in full, the parts
-    split across threads in runs of about equal bytes; the count read into
-    each. `stop` (an Event) ends it early with ReadStopped."""
-    threads = read_threads() if threads is None else threads
+    split across threads in runs of about equal bytes (`threads`: a ReadPlan
+    or a thread count); the count read into each. `stop` (an Event) ends it
+    early with ReadStopped."""
+    plan = as_plan(threads)
+    threads = plan.threads
     views = [(memoryview(buffer).cast("B"), offset) for buffer, offset in parts]
     if not hasattr(os, "preadv"):
         return [_seek_read_into(fd, view, offset, stop) for view, offset in views]
     total = sum(len(view) for view, _ in views)
-    if threads <= 1 or total < PARALLEL_READ_MIN_BYTES:
+    if not plan.splits(total):
         return [_pread_into(fd, view, offset, stop) for view, offset in views]
     runs, run, size, share = [], [], 0, -(-total // threads)
     for index, (view, _offset) in enumerate(views):

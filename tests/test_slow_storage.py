@@ -1,0 +1,164 @@
+"""Cold loads through network-like storage (tools/slow_storage.py: a FUSE
+mount with a delay per read request): the harness serves the files as they
+are and counts what it serves; a patched load of a cold checkpoint reads it
+with the cold plan, asks the storage for each byte once and gives the
+unpatched model; a storage that fails or stops answering mid-load gives a
+clear error and leaves the process as it was."""
+
+import _thread
+import gc
+import os
+import threading
+import time
+
+import pytest
+
+import mindone.transformers as mt
+import ms_loadpatch
+from ms_loadpatch.strategy import context
+from ms_loadpatch.strategy.safetensors_header import CheckpointError
+from ms_loadpatch.strategy.threaded_read import cold_read_plan
+from ms_loadpatch.testing import assert_same_model, cpu_kernel_fallbacks
+from ms_loadpatch.tools import cold
+from ms_loadpatch.tools.slow_storage import SlowStorage, StorageSettings, unavailable
+
+from _helpers import tiny_qwen2_config
+from _process_state import assert_state_restored, process_state
+
+pytestmark = pytest.mark.usefixtures("cpu_kernels", "plugin_enabled")
+
+if unavailable():
+    pytest.skip(f"no FUSE mount here: {unavailable()}", allow_module_level=True)
+
+FAST = StorageSettings(latency_ms=1.0)
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("slow-storage") / "qwen2"
+    with ms_loadpatch.disabled(), cpu_kernel_fallbacks():
+        mt.Qwen2ForCausalLM(tiny_qwen2_config()).save_pretrained(directory, max_shard_size="20KB")
+    return str(directory)
+
+
+def _weights(directory):
+    return sorted(os.path.join(directory, n) for n in os.listdir(directory) if n.endswith(".safetensors"))
+
+
+def _metadata_bytes(directory):
+    """What a load reads before the weights: config and index files."""
+    return sum(os.path.getsize(os.path.join(directory, n)) for n in os.listdir(directory) if n.endswith(".json"))
+
+
+def _metadata_read(storage):
+    """Read the config and index files through the mount (they stay cached):
+    the load's reads ahead of the weights then cannot race them to the storage."""
+    for name in os.listdir(storage.mountpoint):
+        if name.endswith(".json"):
+            with open(storage.path(name), "rb") as f:
+                f.read()
+    assert storage.served()[0] == _metadata_bytes(storage.source)
+
+
+def _cold(paths):
+    gc.collect()  # a model of an earlier load may map the files
+    left = cold.evict(paths)
+    assert left == 0.0, f"{left:.0%} of the files stayed cached"
+
+
+def test_serves_the_files_as_they_are_and_counts_the_bytes(checkpoint):
+    with SlowStorage(checkpoint, FAST) as storage:
+        assert os.path.ismount(storage.mountpoint)
+        assert sorted(os.listdir(storage.mountpoint)) == sorted(os.listdir(checkpoint))
+        served = [storage.path(os.path.basename(p)) for p in _weights(checkpoint)]
+        _cold(served)
+        before = storage.served()
+        for path in served:
+            with open(path, "rb") as f, open(os.path.join(checkpoint, os.path.basename(path)), "rb") as g:
+                assert f.read() == g.read()
+        size = sum(os.path.getsize(p) for p in served)
+        after = storage.served()
+        assert after[0] - before[0] == size and after[1] > before[1]
+        for path in served:  # kept in the page cache: read again, nothing served
+            with open(path, "rb") as f:
+                f.read()
+        assert storage.served() == after
+        with pytest.raises(OSError):
+            open(served[0], "r+b")
+        mountpoint = storage.mountpoint
+    assert not os.path.ismount(mountpoint) and not os.path.exists(mountpoint)
+
+
+def test_unmounts_when_the_block_raises(checkpoint):
+    with pytest.raises(ZeroDivisionError):
+        with SlowStorage(checkpoint, FAST) as storage:
+            mountpoint = storage.mountpoint
+            raise ZeroDivisionError("inside the block")
+    assert not os.path.ismount(mountpoint)
+
+
+def test_cold_load_uses_the_cold_plan_reads_each_byte_once_and_is_the_unpatched_model(checkpoint):
+    with SlowStorage(checkpoint, FAST) as storage:
+        served_files = [storage.path(os.path.basename(p)) for p in _weights(checkpoint)]
+        size = sum(os.path.getsize(p) for p in served_files)
+        _cold(served_files)
+        before = storage.served()[0]
+        accelerated = mt.Qwen2ForCausalLM.from_pretrained(storage.mountpoint)
+        served = storage.served()[0] - before
+        report = context.last_report()
+        assert sorted(r.path for r in report.files_read) == served_files
+        assert all(r.cold and r.threads == cold_read_plan().threads for r in report.files_read)
+        assert f"read with {cold_read_plan().threads} threads" in report.summary()
+        assert size <= served <= 1.1 * size, (served, size)
+        with ms_loadpatch.disabled():
+            reference = mt.Qwen2ForCausalLM.from_pretrained(storage.mountpoint)
+        assert_same_model(reference, accelerated)
+        del accelerated, reference
+
+        mt.Qwen2ForCausalLM.from_pretrained(storage.mountpoint)  # warm now: today's plan
+        assert not any(r.cold or r.threads == cold_read_plan().threads for r in context.last_report().files_read)
+
+
+def test_storage_failing_mid_load_names_the_file_and_leaves_nothing_behind(checkpoint):
+    first = min(os.path.getsize(p) for p in _weights(checkpoint))
+    failing = StorageSettings(latency_ms=1.0, fail_after_bytes=_metadata_bytes(checkpoint) + first // 2)
+    with SlowStorage(checkpoint, failing) as storage:
+        _metadata_read(storage)
+        _cold([storage.path(os.path.basename(p)) for p in _weights(checkpoint)])
+        before = process_state()
+        with pytest.raises(OSError) as raised:
+            mt.Qwen2ForCausalLM.from_pretrained(storage.mountpoint)
+        assert_state_restored(before)
+        assert isinstance(raised.value, CheckpointError), repr(raised.value)
+        assert raised.value.path.startswith(storage.mountpoint) and raised.value.path in str(raised.value)
+
+
+def test_interrupt_while_the_storage_stops_answering(checkpoint):
+    """Once the config is read, no read request returns: Ctrl-C ends the
+    load, the readers blocked on the storage are left to end, and the mount goes."""
+    stalling = StorageSettings(latency_ms=1.0, stall_after_bytes=_metadata_bytes(checkpoint))
+    with SlowStorage(checkpoint, stalling) as storage:
+        _metadata_read(storage)
+        _cold([storage.path(os.path.basename(p)) for p in _weights(checkpoint)])
+        before = process_state()
+        timer = threading.Timer(1.0, _thread.interrupt_main)
+        started = time.monotonic()
+        timer.start()
+        try:
+            with pytest.raises(KeyboardInterrupt):
+                mt.Qwen2ForCausalLM.from_pretrained(storage.mountpoint)
+        finally:
+            timer.cancel()
+        assert time.monotonic() - started < 30, "the interrupt waited for the storage"  # it never answers
+        assert_state_restored(before)
+        mountpoint = storage.mountpoint
+    assert not os.path.ismount(mountpoint)
+    # the storage gone, the readers left blocked on it end
+    deadline = time.monotonic() + 20
+    while _readers() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not _readers()
+
+
+def _readers():
+    return [t.name for t in threading.enumerate() if t.name.startswith("ms_loadpatch-read") and t.is_alive()]
