@@ -91,6 +91,8 @@ def main(argv=None) -> int:
     parser.add_argument("--total-mb-s", type=float, default=200.0)
     parser.add_argument("--unpatched", action="store_true", help="also time an unpatched load each round")
     parser.add_argument("--ranks", type=int, default=1, help="ranks loading at once on this node")
+    parser.add_argument("--drop", action="store_true", help="also this tree with MS_LOADPATCH_PAGE_CACHE=drop "
+                                                            "(and, where the filesystem allows it, O_DIRECT)")
     parser.add_argument("--cold-threads", default="", help="also this tree with MS_LOADPATCH_COLD_READ_THREADS "
                                                           "at each of these counts (comma-separated)")
     args = parser.parse_args(argv)
@@ -105,6 +107,8 @@ def main(argv=None) -> int:
         sides["unpatched"] = ("unpatched", {})
     for count in filter(None, args.cold_threads.split(",")):
         sides[f"this tree, {count} cold threads"] = ("patched", {"MS_LOADPATCH_COLD_READ_THREADS": count})
+    if args.drop:
+        sides["this tree, drop"] = ("patched", {"MS_LOADPATCH_PAGE_CACHE": "drop"})
     if args.ranks > 1:
         sides["this tree, 1 rank alone"] = ("patched", {})
     settings = StorageSettings(args.latency_ms, args.stream_mb_s, args.total_mb_s)

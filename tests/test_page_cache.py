@@ -116,3 +116,70 @@ def test_report_gives_each_file_read_and_whether_it_was_cold(checkpoints, monkey
     assert all(r.cached == 1.0 and not r.cold for r in warm.files_read) and len(warm.files_read) == len(files)
     assert all(r.threads < cold_read_plan().threads for r in warm.files_read)  # today's plan
     assert f"0 of {len(files)} cold" in warm.summary()
+
+
+def _spy_direct(monkeypatch):
+    from ms_loadpatch.strategy import reader
+
+    results = []
+    real = reader._read_direct
+
+    def spy(*args, **kwargs):
+        results.append(real(*args, **kwargs))
+        return results[-1]
+
+    monkeypatch.setattr(reader, "_read_direct", spy)
+    return reader, results
+
+
+@pytest.mark.parametrize("refused", [None, "flag", "read"])
+def test_drop_reads_cold_files_around_the_page_cache(checkpoints, monkeypatch, refused):
+    """Under `drop`, a cold file's data is read with O_DIRECT where the
+    filesystem allows it; where it refuses the flag or the read itself, the
+    usual read runs. The model is the unpatched one every way."""
+    import errno
+    import fcntl
+
+    cls, directory = checkpoints["qwen2"]
+    monkeypatch.setenv(page_cache.ENV_VAR, "drop")
+    monkeypatch.setenv("MS_LOADPATCH_LOCAL_RANKS", "1")
+    reader, results = _spy_direct(monkeypatch)
+    real_fcntl, real_read_into = fcntl.fcntl, reader.read_into
+
+    def refusing_fcntl(fd, command, *args):
+        if command == fcntl.F_SETFL and args and args[0] & os.O_DIRECT:
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real_fcntl(fd, command, *args)
+
+    def refusing_read(fd, *args, **kwargs):
+        if real_fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT:
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real_read_into(fd, *args, **kwargs)
+
+    if refused == "flag":
+        monkeypatch.setattr(reader.fcntl, "fcntl", refusing_fcntl)
+    elif refused == "read":
+        monkeypatch.setattr(reader, "read_into", refusing_read)
+    _evicted(directory)
+    accelerated = cls.from_pretrained(directory)
+    assert len(results) == len(_files(directory)), "not every cold file was offered a direct read"
+    if refused is None:
+        if any(r is None for r in results):
+            pytest.skip("this filesystem refuses O_DIRECT")
+    else:
+        assert results == [None] * len(results)
+    assert [page_cache.resident_fraction(p) for p in _files(directory)] == [0.0] * len(_files(directory))
+    with ms_loadpatch.disabled():
+        reference = cls.from_pretrained(directory)
+    assert_same_model(reference, accelerated)
+
+
+def test_keep_and_warm_files_are_read_through_the_page_cache(checkpoints, monkeypatch):
+    cls, directory = checkpoints["qwen2"]
+    _reader, results = _spy_direct(monkeypatch)
+    monkeypatch.delenv(page_cache.ENV_VAR, raising=False)
+    _evicted(directory)
+    cls.from_pretrained(directory)  # cold, keep
+    monkeypatch.setenv(page_cache.ENV_VAR, "drop")
+    cls.from_pretrained(directory)  # drop, but warm: `keep` left the pages
+    assert results == []

@@ -170,3 +170,29 @@ def test_cold_plan_splits_reads_the_warm_plan_reads_whole(tmp_path, monkeypatch)
     monkeypatch.setenv(threaded_read.COLD_READ_THREADS_ENV_VAR, "32")
     monkeypatch.setenv("MS_LOADPATCH_LOCAL_RANKS", "4")
     assert threaded_read.cold_read_plan().threads == 8 and threaded_read.cold_read_plan().cold
+
+
+def test_plan_follows_the_cache_and_the_first_read(tmp_path, monkeypatch):
+    """Cached: the caller's threads. Cold: the cold plan where the first read
+    shows slow storage (or cannot time it: a file under PROBE_BYTES), the
+    caller's threads where it shows fast storage, flagged cold either way."""
+    from ms_loadpatch.strategy import prefetch
+
+    path = tmp_path / "blob"
+    path.write_bytes(bytes(2 * threaded_read.PROBE_BYTES))
+    monkeypatch.delenv(threaded_read.COLD_READ_THREADS_ENV_VAR, raising=False)
+    monkeypatch.setenv("MS_LOADPATCH_LOCAL_RANKS", "1")
+    assert prefetch.read_plan(path, 1.0, 3) == threaded_read.ReadPlan(3)
+    rates = []
+    monkeypatch.setattr(prefetch, "first_read_rate", lambda p: rates.append(p) or rate)
+    for rate, expected in ((1e6, threaded_read.COLD_READ_THREADS), (None, threaded_read.COLD_READ_THREADS),
+                           (threaded_read.SLOW_STREAM_BYTES_PER_S * 2, 3)):
+        plan = prefetch.read_plan(path, 0.0, 3)
+        assert plan.cold and plan.threads == expected, (rate, plan)
+    assert rates == [path] * 3
+    monkeypatch.undo()
+    rate = threaded_read.first_read_rate(path)
+    assert rate is not None and rate > 0
+    assert threaded_read.first_read_rate(tmp_path / "missing") is None
+    (tmp_path / "short").write_bytes(b"x" * 100)
+    assert threaded_read.first_read_rate(tmp_path / "short") is None  # too short to time

@@ -17,6 +17,7 @@ import mindone.transformers as mt
 import ms_loadpatch
 from ms_loadpatch.strategy import context
 from ms_loadpatch.strategy.safetensors_header import CheckpointError
+from ms_loadpatch.strategy import threaded_read
 from ms_loadpatch.strategy.threaded_read import cold_read_plan
 from ms_loadpatch.testing import assert_same_model, cpu_kernel_fallbacks
 from ms_loadpatch.tools import cold
@@ -38,6 +39,19 @@ def checkpoint(tmp_path_factory):
     directory = tmp_path_factory.mktemp("slow-storage") / "qwen2"
     with ms_loadpatch.disabled(), cpu_kernel_fallbacks():
         mt.Qwen2ForCausalLM(tiny_qwen2_config()).save_pretrained(directory, max_shard_size="20KB")
+    return str(directory)
+
+
+@pytest.fixture(scope="module")
+def wide_checkpoint(tmp_path_factory):
+    """One file of about 4 MB: long enough for the first read to be timed."""
+    import transformers as hf
+
+    directory = tmp_path_factory.mktemp("slow-storage") / "wide"
+    config = hf.Qwen2Config(vocab_size=16384, hidden_size=32, num_hidden_layers=1, num_attention_heads=4,
+                            num_key_value_heads=2, intermediate_size=64)
+    with ms_loadpatch.disabled(), cpu_kernel_fallbacks():
+        mt.Qwen2ForCausalLM(config).save_pretrained(directory)
     return str(directory)
 
 
@@ -162,3 +176,21 @@ def test_interrupt_while_the_storage_stops_answering(checkpoint):
 
 def _readers():
     return [t.name for t in threading.enumerate() if t.name.startswith("ms_loadpatch-read") and t.is_alive()]
+
+
+def test_storage_with_a_delay_per_request_gets_the_cold_plan(wide_checkpoint):
+    """10 ms per request: the first MB cannot come faster than 100 MB/s, so
+    the file is read with many requests in flight, and the model is the same."""
+    (weights,) = _weights(wide_checkpoint)
+    assert os.path.getsize(weights) > 2 * threaded_read.PROBE_BYTES
+    with SlowStorage(wide_checkpoint, StorageSettings(latency_ms=10.0)) as storage:
+        served_file = storage.path(os.path.basename(weights))
+        _cold([served_file])
+        rate = threaded_read.first_read_rate(served_file)
+        assert rate is not None and rate < threaded_read.SLOW_STREAM_BYTES_PER_S
+        _cold([served_file])
+        accelerated = mt.Qwen2ForCausalLM.from_pretrained(storage.mountpoint)
+        (read,) = context.last_report().files_read
+        assert read.cold and read.threads == cold_read_plan().threads
+        with ms_loadpatch.disabled():
+            assert_same_model(mt.Qwen2ForCausalLM.from_pretrained(storage.mountpoint), accelerated)

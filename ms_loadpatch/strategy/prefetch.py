@@ -20,7 +20,10 @@ from . import page_cache
 from .ranks import node_share
 from .castread import Staging, read_cast
 from .reader import read_arrays
-from .threaded_read import ReadStopped, as_plan, background_read_threads, cold_read_plan, join_or_leave, read_threads
+from .threaded_read import (
+    SLOW_STREAM_BYTES_PER_S, ReadPlan, ReadStopped, as_plan, background_read_threads, cold_read_plan, first_read_rate,
+    join_or_leave, read_threads,
+)
 
 
 def parallel_workers() -> int:
@@ -67,13 +70,26 @@ def _cached_share(path) -> float | None:
         return None
 
 
+def read_plan(path, cached: float | None, threads=None) -> ReadPlan:
+    """How to read `path`, `cached` its share in the page cache: in the page
+    cache, with `threads` (a count, None for read_threads()); cold, timed by
+    its first read: on slow storage the cold plan (many requests in flight),
+    on fast storage `threads` as warm (more would take cores from the build)."""
+    if not page_cache.is_cold(cached):
+        return as_plan(threads)
+    rate = first_read_rate(path)
+    if rate is not None and rate >= SLOW_STREAM_BYTES_PER_S:
+        return cold_read_plan(threads=as_plan(threads).threads)
+    return cold_read_plan()
+
+
 def timed_read(path, cast_plan=None, threads=None, stop=None, staging=None):
     """(read_file's result, FileRead) for `path`: read with `threads` (a
     thread count, None for read_threads()) when it is in the page cache, with
     the cold plan (many requests in flight) when it is mostly not."""
     cached = _cached_share(path)
-    plan = cold_read_plan() if page_cache.is_cold(cached) else as_plan(threads)
     started = time.perf_counter()
+    plan = read_plan(path, cached, threads)
     result = read_file(path, cast_plan, plan, stop, staging)
     return result, FileRead(path, os.path.getsize(path), started, time.perf_counter(), cached, plan.threads)
 
@@ -234,7 +250,7 @@ def read_file(path, cast_plan=None, threads=None, stop=None, staging=None, separ
     a buffer per tensor). `threads`: a ReadPlan, a thread count, or None for
     the plan the file's presence in the page cache calls for."""
     if threads is None:
-        threads = cold_read_plan() if page_cache.is_cold(_cached_share(path)) else None
+        threads = read_plan(path, _cached_share(path))
     if cast_plan is None:
         return (*read_arrays(path, threads, stop, separate), {})
     return read_cast(path, cast_plan, threads, stop, staging)

@@ -11,12 +11,22 @@ safetensors_header.py; the threaded read into the buffer in threaded_read.py.
 
 from __future__ import annotations
 
+import dataclasses
+import errno
 import os
 
 import numpy as np
 
+try:
+    import fcntl
+except ImportError:  # Windows: no direct reads
+    fcntl = None
+
 from .safetensors_header import CheckpointError, unchanged_file
-from .threaded_read import data_buffer, read_into, read_parts
+from .threaded_read import ReadPlan, data_buffer, read_into, read_parts
+
+# Direct I/O moves whole blocks to and from block-aligned memory.
+DIRECT_ALIGN = 4096
 
 
 def read_arrays(path, threads: int | None = None, stop=None,
@@ -35,11 +45,15 @@ def read_arrays(path, threads: int | None = None, stop=None,
         return _read_separately(path, threads, stop)
     with unchanged_file(path) as (f, header, _identity):  # buffered for the header; the data by preadv on its fd
         data_len = max((end for _, _, _, end in header.entries.values()), default=0)
-        buffer = data_buffer(path, data_len)
-        got = read_into(f.fileno(), buffer, header.data_start, threads, stop, f"the read of {os.fspath(path)}") \
-            if data_len else 0
-        if got != data_len:
-            raise CheckpointError(path, f"read {got} of {data_len} data bytes: the file changed or is truncated")
+        buffer = None
+        if data_len and isinstance(threads, ReadPlan) and threads.direct and fcntl is not None:
+            buffer = _read_direct(path, f.fileno(), header.data_start, data_len, threads, stop)
+        if buffer is None:
+            buffer = data_buffer(path, data_len)
+            got = read_into(f.fileno(), buffer, header.data_start, threads, stop,
+                            f"the read of {os.fspath(path)}") if data_len else 0
+            if got != data_len:
+                raise CheckpointError(path, f"read {got} of {data_len} data bytes: the file changed or is truncated")
     arrays = {}
     for name, (dtype, shape, begin, end) in header.entries.items():
         view = buffer[begin:end]
@@ -47,6 +61,38 @@ def read_arrays(path, threads: int | None = None, stop=None,
             view = view.copy()
         arrays[name] = _shaped(path, name, view, dtype, shape)
     return arrays, header.metadata
+
+
+def _read_direct(path, fd: int, data_start: int, data_len: int, plan: ReadPlan, stop):
+    """The data section read with O_DIRECT (around the page cache: nothing
+    left cached, no copy through it) into block-aligned memory; a view of
+    exactly the data. None where the filesystem refuses direct I/O (tmpfs,
+    some FUSE and network filesystems): the caller reads as usual."""
+    try:
+        flags = fcntl.fcntl(fd, fcntl.F_GETFL)
+        fcntl.fcntl(fd, fcntl.F_SETFL, flags | os.O_DIRECT)
+    except OSError:
+        return None
+    try:
+        first = data_start // DIRECT_ALIGN * DIRECT_ALIGN
+        shift = data_start - first
+        span = -(-(shift + data_len) // DIRECT_ALIGN) * DIRECT_ALIGN
+        raw = data_buffer(path, span + DIRECT_ALIGN)
+        pad = -raw.ctypes.data % DIRECT_ALIGN
+        aligned = raw[pad:pad + span]
+        try:
+            got = read_into(fd, aligned, first, dataclasses.replace(plan, direct=False), stop,
+                            f"the read of {os.fspath(path)}")
+        except OSError as exc:
+            if exc.errno == errno.EINVAL:  # accepted the flag, refused the read
+                return None
+            raise
+        if got < shift + data_len:
+            raise CheckpointError(path, f"read {max(0, got - shift)} of {data_len} data bytes: the file changed or "
+                                        "is truncated")
+        return aligned[shift:shift + data_len]
+    finally:
+        fcntl.fcntl(fd, fcntl.F_SETFL, flags)
 
 
 def _read_separately(path, threads, stop):
