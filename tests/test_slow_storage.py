@@ -44,11 +44,11 @@ def checkpoint(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def wide_checkpoint(tmp_path_factory):
-    """One file of about 4 MB: long enough for the first read to be timed."""
+    """One file of about 10 MB: long enough for the first read to be timed."""
     import transformers as hf
 
     directory = tmp_path_factory.mktemp("slow-storage") / "wide"
-    config = hf.Qwen2Config(vocab_size=16384, hidden_size=32, num_hidden_layers=1, num_attention_heads=4,
+    config = hf.Qwen2Config(vocab_size=40000, hidden_size=32, num_hidden_layers=1, num_attention_heads=4,
                             num_key_value_heads=2, intermediate_size=64)
     with ms_loadpatch.disabled(), cpu_kernel_fallbacks():
         mt.Qwen2ForCausalLM(config).save_pretrained(directory)
@@ -179,7 +179,7 @@ def _readers():
 
 
 def test_storage_with_a_delay_per_request_gets_the_cold_plan(wide_checkpoint):
-    """10 ms per request: the first MB cannot come faster than 100 MB/s, so
+    """10 ms per request: the first 4 MB come slower than 100 MB/s, so
     the file is read with many requests in flight, and the model is the same."""
     (weights,) = _weights(wide_checkpoint)
     assert os.path.getsize(weights) > 2 * threaded_read.PROBE_BYTES
