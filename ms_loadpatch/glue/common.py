@@ -54,17 +54,18 @@ def from_pretrained(wrapped, instance, args, kwargs, fallback_reason, accelerate
         return accelerated(wrapped, instance, args, kwargs)
 
 
-def accelerated_load(wrapped, args, kwargs, report, dtype, checkpoint_files, finish):
+def accelerated_load(wrapped, args, kwargs, report, dtype, checkpoint_files, finish, progress_bars=None):
     """mindone's from_pretrained as one accelerated load, reported in `report`:
     its load context current and gc paused, `checkpoint_files()` read ahead,
     cast while reading to `dtype` (the dtype asked for, or None) where the
-    cast is exact; `finish(ctx, result)` then does the library's last part."""
+    cast is exact; `finish(ctx, result)` then does the library's last part.
+    `progress_bars()`: whether the library shows progress bars."""
     with index_named_in_errors(), context.activate(report) as ctx, collection_paused() as report.gc_paused:
         plan = CastPlan.for_dtype(dtype)
         if plan is not None:
             report.technique += f", cast to {plan.target} while reading"
         ctx.state.cast_at_read = CastRegistry()
-        start_prefetch(ctx, checkpoint_files(), plan)  # closed with the load context
+        start_prefetch(ctx, checkpoint_files(), plan, progress_bars)  # closed with the load context
         result = wrapped(*args, **kwargs)
         finish(ctx, result)
     return result

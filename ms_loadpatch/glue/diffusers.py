@@ -87,7 +87,13 @@ def _accelerated_from_pretrained(wrapped, instance, args, kwargs):
     requested = kwargs.get("mindspore_dtype")
     dtype = requested if isinstance(requested, ms.Type) else None
     return common.accelerated_load(wrapped, args, kwargs, report, dtype, lambda: _local_checkpoint_files(args, kwargs),
-                                   _finish)
+                                   _finish, _progress_bars)
+
+
+def _progress_bars() -> bool:
+    from mindone.diffusers.utils import logging as df_logging
+
+    return df_logging.is_progress_bar_enabled()
 
 
 def _finish(ctx, result) -> None:

@@ -52,6 +52,13 @@ def from_pretrained(wrapped, instance, args, kwargs):
     return common.from_pretrained(wrapped, instance, args, kwargs, _fallback_reason, _accelerated_from_pretrained)
 
 
+def _progress_bars() -> bool:
+    """mindone.transformers' bars (its shard bar) follow transformers' logging switch."""
+    from transformers.utils import logging as hf_logging
+
+    return hf_logging.is_progress_bar_enabled()
+
+
 def _accelerated_from_pretrained(wrapped, instance, args, kwargs):
     report = context.LoadReport(instance.__name__, "transformers")
     report.technique = "lazy construction, set_data from owned read buffer, set_dtype cast"
@@ -60,7 +67,8 @@ def _accelerated_from_pretrained(wrapped, instance, args, kwargs):
         # mindone's own precedence: `dtype`, then the deprecated `mindspore_dtype`
         requested = kwargs.get("dtype") if kwargs.get("dtype") is not None else kwargs.get("mindspore_dtype")
         return common.accelerated_load(wrapped, args, kwargs, report, requested,
-                                       lambda: _local_checkpoint_files(args, kwargs), _refuse_if_not_loaded)
+                                       lambda: _local_checkpoint_files(args, kwargs), _refuse_if_not_loaded,
+                                       _progress_bars)
     except Exception as exc:
         # mindone checks a single-file checkpoint with safetensors' safe_open and its metadata, in errors
         # that do not name it

@@ -9,6 +9,7 @@ not hold every fp32 shard at once.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import threading
@@ -17,6 +18,7 @@ from dataclasses import asdict, dataclass
 
 from ..activation import env_flag
 from . import page_cache
+from .progress import ReadProgress, wanted
 from .ranks import node_share
 from .castread import Staging, read_cast
 from .reader import read_arrays
@@ -70,6 +72,13 @@ def _cached_share(path) -> float | None:
         return None
 
 
+def _size(path) -> int:
+    try:
+        return os.path.getsize(path)
+    except OSError:
+        return 0
+
+
 def read_plan(path, cached: float | None, threads=None) -> ReadPlan:
     """How to read `path`, `cached` its share in the page cache: in the page
     cache, with `threads` (a count, None for read_threads()); cold, timed by
@@ -83,15 +92,20 @@ def read_plan(path, cached: float | None, threads=None) -> ReadPlan:
     return cold_read_plan()
 
 
-def timed_read(path, cast_plan=None, threads=None, stop=None, staging=None):
+def timed_read(path, cast_plan=None, threads=None, stop=None, staging=None, progress=None):
     """(read_file's result, FileRead) for `path`: read with `threads` (a
     thread count, None for read_threads()) when it is in the page cache, with
-    the cold plan (many requests in flight) when it is mostly not."""
+    the cold plan (many requests in flight) when it is mostly not; the bytes
+    told to `progress` (a progress.ReadProgress) as they arrive."""
     cached = _cached_share(path)
     started = time.perf_counter()
-    plan = read_plan(path, cached, threads)
+    counter = progress.file() if progress is not None else None
+    plan = dataclasses.replace(read_plan(path, cached, threads), progress=counter)
     result = read_file(path, cast_plan, plan, stop, staging)
-    return result, FileRead(path, os.path.getsize(path), started, time.perf_counter(), cached, plan.threads)
+    size = os.path.getsize(path)
+    if counter is not None:
+        counter.done(size)
+    return result, FileRead(path, size, started, time.perf_counter(), cached, plan.threads)
 
 
 # How often a caller waiting for a read looks at pending interrupts.
@@ -113,8 +127,9 @@ class Prefetcher:
     not hold up the interpreter's exit), at most `ahead` files held at once.
     close() stops them: each read checks between parts of READ_STEP_BYTES."""
 
-    def __init__(self, paths, workers: int = 1, ahead: int | None = None, cast_plan=None):
+    def __init__(self, paths, workers: int = 1, ahead: int | None = None, cast_plan=None, progress=None):
         self._cast_plan = cast_plan
+        self.progress = progress
         self._paths = [os.path.normpath(os.fspath(p)) for p in paths]
         self._slots = threading.Semaphore(ahead if ahead is not None else workers + 1)
         self._stop = threading.Event()
@@ -159,7 +174,8 @@ class Prefetcher:
             try:
                 # a single file is all the load waits for: its read gets every thread from the start
                 threads = background_read_threads() if self._caller_busy and len(self._paths) > 1 else None
-                pending.value, pending.read = timed_read(path, self._cast_plan, threads, self._stop, staging)
+                pending.value, pending.read = timed_read(path, self._cast_plan, threads, self._stop, staging,
+                                                         self.progress)
             except BaseException as exc:  # noqa: BLE001 - raised in the caller by take()
                 pending.error = exc
             finally:
@@ -256,10 +272,11 @@ def read_file(path, cast_plan=None, threads=None, stop=None, staging=None, separ
     return read_cast(path, cast_plan, threads, stop, staging)
 
 
-def start_prefetch(ctx, files: CheckpointFiles, cast_plan=None) -> Prefetcher | None:
+def start_prefetch(ctx, files: CheckpointFiles, cast_plan=None, progress_bars=None) -> Prefetcher | None:
     """Read `files` in background threads for the load `ctx` (closed with it),
     casting what `cast_plan` casts; HF_ENABLE_PARALLEL_LOADING, read now,
-    sets the thread count."""
+    sets the thread count. A long read shows its progress on a terminal
+    where `progress_bars()` (the library's setting; None: on) allows."""
     workers = parallel_workers()
     share = node_share()
     ctx.report.read_workers = workers
@@ -269,7 +286,11 @@ def start_prefetch(ctx, files: CheckpointFiles, cast_plan=None) -> Prefetcher | 
     ctx.state.listed_tensors = files.listed_tensors
     if not files:
         return None
-    prefetcher = Prefetcher(files, workers=workers, cast_plan=cast_plan)
+    progress = None
+    if wanted(bars_enabled=progress_bars):
+        progress = ReadProgress(sum(_size(path) for path in files)).start()
+        ctx.cleanup.callback(progress.close)  # after the prefetcher's close: its readers stopped first
+    prefetcher = Prefetcher(files, workers=workers, cast_plan=cast_plan, progress=progress)
     ctx.cleanup.callback(prefetcher.close)
     prefetcher.start()
     ctx.state.prefetcher = prefetcher
@@ -284,6 +305,7 @@ def take_or_read(ctx, path):
     taken = prefetcher.take(os.path.normpath(os.fspath(path)), reads) if prefetcher is not None else None
     if taken is not None:
         return taken
-    result, read = timed_read(path, ctx.state.cast_plan)
+    result, read = timed_read(path, ctx.state.cast_plan,
+                              progress=prefetcher.progress if prefetcher is not None else None)
     reads.append(read)
     return result

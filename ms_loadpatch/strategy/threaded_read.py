@@ -53,6 +53,7 @@ class ReadPlan:
     split_from: int | None = None
     cold: bool = False
     direct: bool = False
+    progress: object = None  # an object whose add(nbytes) is called as bytes arrive (progress.ReadProgress)
 
     def splits(self, nbytes: int) -> bool:
         """Whether a read of `nbytes` is split among the threads."""
@@ -131,11 +132,11 @@ class ReadStopped(Exception):
     """A read abandoned on request (the load it was for has ended)."""
 
 
-def _fill(view: memoryview, read_part, stop=None) -> int:
+def _fill(view: memoryview, read_part, stop=None, progress=None) -> int:
     """Call read_part(next part of view, bytes so far) until `view` is full
     or it returns 0 (end of file); the count read. Loops: one read(2) returns
     at most about 2 GiB, and shards are often larger. Checks `stop` (an
-    Event) between parts."""
+    Event) between parts; tells `progress` each part's bytes."""
     got = 0
     while got < len(view):
         if stop is not None and stop.is_set():
@@ -144,18 +145,20 @@ def _fill(view: memoryview, read_part, stop=None) -> int:
         if not n:
             break
         got += n
+        if progress is not None:
+            progress.add(n)
     return got
 
 
-def _pread_into(fd: int, view: memoryview, offset: int, stop=None) -> int:
-    return _fill(view, lambda part, done: os.preadv(fd, [part], offset + done), stop)
+def _pread_into(fd: int, view: memoryview, offset: int, stop=None, progress=None) -> int:
+    return _fill(view, lambda part, done: os.preadv(fd, [part], offset + done), stop, progress)
 
 
-def _seek_read_into(fd: int, view: memoryview, offset: int, stop=None) -> int:
+def _seek_read_into(fd: int, view: memoryview, offset: int, stop=None, progress=None) -> int:
     """_pread_into where there is no preadv (Windows): one thread, seek then read."""
     os.lseek(fd, offset, os.SEEK_SET)
     with open(fd, "rb", buffering=0, closefd=False) as f:
-        return _fill(view, lambda part, done: f.readinto(part), stop)
+        return _fill(view, lambda part, done: f.readinto(part), stop, progress)
 
 
 def join_or_leave(threads, stop, what: str, grace: float | None = None) -> None:
@@ -242,10 +245,10 @@ def read_parts(fd: int, parts, threads: ReadPlan | int | None = None, stop=None,
     threads = plan.threads
     views = [(memoryview(buffer).cast("B"), offset) for buffer, offset in parts]
     if not hasattr(os, "preadv"):
-        return [_seek_read_into(fd, view, offset, stop) for view, offset in views]
+        return [_seek_read_into(fd, view, offset, stop, plan.progress) for view, offset in views]
     total = sum(len(view) for view, _ in views)
     if not plan.splits(total):
-        return [_pread_into(fd, view, offset, stop) for view, offset in views]
+        return [_pread_into(fd, view, offset, stop, plan.progress) for view, offset in views]
     runs, run, size, share = [], [], 0, -(-total // threads)
     for index, (view, _offset) in enumerate(views):
         run.append(index)
@@ -261,7 +264,7 @@ def read_parts(fd: int, parts, threads: ReadPlan | int | None = None, stop=None,
 
     def read_run(indices):
         either = _Either(stop, run_stop)
-        return [_pread_into(fd, views[i][0], views[i][1], either) for i in indices]
+        return [_pread_into(fd, views[i][0], views[i][1], either, plan.progress) for i in indices]
 
     counts = run_in_threads([lambda r=r: read_run(r) for r in runs], "ms_loadpatch-read-part", run_stop, what)
     return [count for run_counts in counts for count in run_counts]
