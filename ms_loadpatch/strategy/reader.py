@@ -29,7 +29,7 @@ from .threaded_read import ReadPlan, data_buffer, read_into, read_parts
 DIRECT_ALIGN = 4096
 
 
-def read_arrays(path, threads: int | None = None, stop=None,
+def read_arrays(path, threads: ReadPlan | int | None = None, stop=None,
                 separate: bool = False) -> tuple[dict[str, np.ndarray], dict | None]:
     """All tensors of one file as numpy views of one owned buffer, in file
     order (`separate`: each in a buffer of its own, so a tensor nobody keeps

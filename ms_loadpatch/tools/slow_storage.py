@@ -97,22 +97,18 @@ class SlowStorage:
         if reason:
             raise RuntimeError(f"cannot serve {self.source} through FUSE: {reason}")
         self._stats_dir = tempfile.mkdtemp(prefix="ms_loadpatch-storage-")
-        if self._own_mountpoint:
-            self.mountpoint = os.path.join(self._stats_dir, "mount")
-            os.mkdir(self.mountpoint)
-        stats = os.path.join(self._stats_dir, "served")
-        with open(stats, "wb") as f:
-            f.write(bytes(_COUNTERS.size))
-        self._stats = stats
-        log = open(os.path.join(self._stats_dir, "server.log"), "wb")
         try:
-            self._process = subprocess.Popen(
-                [sys.executable, "-m", "ms_loadpatch.tools.slow_storage", self.source, self.mountpoint,
-                 "--stats", stats, "--parent", str(os.getpid()), *self.settings.arguments()],
-                stdout=log, stderr=subprocess.STDOUT)
-        finally:
-            log.close()
-        try:
+            if self._own_mountpoint:
+                self.mountpoint = os.path.join(self._stats_dir, "mount")
+                os.mkdir(self.mountpoint)
+            self._stats = os.path.join(self._stats_dir, "served")
+            with open(self._stats, "wb") as f:
+                f.write(bytes(_COUNTERS.size))
+            with open(os.path.join(self._stats_dir, "server.log"), "wb") as log:
+                self._process = subprocess.Popen(
+                    [sys.executable, "-m", "ms_loadpatch.tools.slow_storage", self.source, self.mountpoint,
+                     "--stats", self._stats, "--parent", str(os.getpid()), *self.settings.arguments()],
+                    stdout=log, stderr=subprocess.STDOUT)
             deadline = time.monotonic() + self._start_timeout
             while not os.path.ismount(self.mountpoint):
                 if self._process.poll() is not None or time.monotonic() > deadline:
