@@ -84,9 +84,9 @@ def cold_read_plan(share: NodeShare | None = None, threads: int | None = None) -
 
 
 # One stream slower than this is storage-bound (a delay per request, a cap
-# per stream): more requests in flight help. Measured for the first 4 MB: a
-# cold local disk here 400-550 MB/s, the FUSE harness at 2 ms per request 50.
-# Low, since the timing also holds the wait for the GIL (up to its 5 ms
+# per stream): more requests in flight help. A cold local disk gives the
+# first 4 MB at several hundred MB/s, a 2 ms delay per 128 KB request about
+# 50. Low, since the timing also holds the wait for the GIL (up to its 5 ms
 # switch interval while the build runs).
 SLOW_STREAM_BYTES_PER_S = 100e6
 PROBE_BYTES = 4 << 20
