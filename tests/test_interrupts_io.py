@@ -185,6 +185,51 @@ def test_keyboard_interrupt(checkpoints, tmp_path, monkeypatch, library, layout,
     _next_load_is_identical(library, directory)
 
 
+def _cold_plan(patch, directory):
+    """The checkpoint's pages evicted and its storage taken for slow (the
+    first read's rate), so its files are read with the cold plan, split in
+    small chunks among its threads; the plans chosen, in a list. Taken for
+    cold, too: mindone's own look at a single file's header may bring all
+    of a file this small into the page cache before the read."""
+    from ms_loadpatch.strategy import prefetch
+    from ms_loadpatch.tools import cold
+
+    import gc
+
+    gc.collect()  # a model of an earlier load may map the files
+    assert cold.evict(shards(directory)) == 0.0
+    patch.setattr(prefetch, "_cached_share", lambda path: 0.0)
+    patch.setattr(prefetch, "first_read_rate", lambda path: 1.0)
+    patch.setattr(threaded_read, "COLD_SPLIT_FROM", 0)
+    patch.setattr(threaded_read, "_ALIGN", 64)
+    plans, real_plan = [], prefetch.read_plan
+    patch.setattr(prefetch, "read_plan", lambda *args: plans.append(real_plan(*args)) or plans[-1])
+    return plans
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("library", LIBRARIES)
+def test_keyboard_interrupt_during_a_cold_read(checkpoints, monkeypatch, library, layout):
+    """Ctrl-C while a cold file is read by the cold plan's many threads, in
+    chunks: the interrupt reaches the caller, every chunk thread ends."""
+    directory = checkpoints / f"{library}-{layout}"
+    before = process_state()
+    interrupt = Interrupt()
+    with monkeypatch.context() as patch:
+        plans = _cold_plan(patch, directory)
+        _interrupt_at("read", library, patch, interrupt)
+        with pytest.raises(KeyboardInterrupt):
+            load(library, directory)
+    assert interrupt.sent_at is not None, "the load never read"
+    assert plans and all(plan.cold and plan.threads == threaded_read.cold_read_plan().threads for plan in plans)
+    deadline = time.monotonic() + 10
+    while _reader_threads() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not _reader_threads(), "reader threads left running"
+    assert_state_restored(before)
+    _next_load_is_identical(library, directory)
+
+
 def test_interrupt_does_not_wait_for_a_slow_read(checkpoints, monkeypatch):
     """Ctrl-C while a reader thread is stuck in a slow read: the caller gets
     the interrupt while the read is still going; the read is then stopped
@@ -317,10 +362,12 @@ def test_shard_that_cannot_be_opened(checkpoints, tmp_path, monkeypatch, library
     _next_load_is_identical(library, directory)
 
 
+@pytest.mark.parametrize("cache", ["warm", "cold"])
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("library", LIBRARIES)
-def test_read_failing_mid_file(checkpoints, tmp_path, monkeypatch, library, layout):
-    """EIO from the storage in the middle of the data (as a network mount gives)."""
+def test_read_failing_mid_file(checkpoints, tmp_path, monkeypatch, library, layout, cache):
+    """EIO from the storage in the middle of the data (as a network mount
+    gives); cold: while the cold plan's threads read it in chunks."""
     directory = _copy(checkpoints, tmp_path, f"{library}-{layout}")
     victim = file_to_break(directory)
     real_pread = threaded_read._pread_into
@@ -331,9 +378,12 @@ def test_read_failing_mid_file(checkpoints, tmp_path, monkeypatch, library, layo
         return real_pread(fd, view, offset, *rest)
 
     with monkeypatch.context() as patch:
+        plans = _cold_plan(patch, directory) if cache == "cold" else None
         patch.setattr(threaded_read, "_pread_into", pread)
         error = _fails_naming(library, directory, victim)
     assert error is None or isinstance(error, CheckpointError) and error.errno == errno.EIO, repr(error)
+    if cache == "cold":
+        assert plans and any(plan.cold for plan in plans), plans
     _next_load_is_identical(library, directory)
 
 
