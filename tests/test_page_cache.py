@@ -183,3 +183,79 @@ def test_keep_and_warm_files_are_read_through_the_page_cache(checkpoints, monkey
     monkeypatch.setenv(page_cache.ENV_VAR, "drop")
     cls.from_pretrained(directory)  # drop, but warm: `keep` left the pages
     assert results == []
+
+
+_READ_AND_ADVISE = """
+import os, sys
+from ms_loadpatch.strategy import page_cache
+with open(sys.argv[1], "rb") as f:
+    f.read()
+    page_cache.after_read(f.fileno(), whole_file=sys.argv[2] == "whole")
+"""
+
+
+def _as_rank(code, *args, **env):
+    """`code` in a child of this process (the ranks of one launcher share their parent)."""
+    import subprocess
+    import sys
+
+    child_env = {k: v for k, v in os.environ.items() if k not in ("MS_WORKER_NUM", "RANK_SIZE", "MS_ROLE")}
+    child_env.update({page_cache.ENV_VAR: "drop", **env})
+    proc = subprocess.run([sys.executable, "-c", code, *args], env=child_env, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+
+@pytest.fixture
+def readers_dir_of_children():
+    """Where the children's ranks count their reads; removed after the test whatever happened."""
+    import shutil
+
+    path = os.path.join(os.path.dirname(page_cache.readers_dir()), f"ms_loadpatch-readers-{os.getuid()}-{os.getpid()}")
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def test_drop_with_two_ranks_is_left_to_the_last_reader(checkpoints, readers_dir_of_children):
+    """With two ranks counted on the node, the first to read a file leaves
+    its pages for the other, whose read gives them back; a rank reading one
+    tensor again counts for nothing; where only the job's total is known
+    (MS_WORKER_NUM), each rank gives the pages back at once."""
+    path = _files(checkpoints["vae"][1])[0]
+    readers = readers_dir_of_children
+    _evicted(checkpoints["vae"][1])
+    _as_rank(_READ_AND_ADVISE, path, "whole", MS_LOADPATCH_LOCAL_RANKS="2")
+    assert page_cache.resident_fraction(path) == 1.0 and len(os.listdir(readers)) == 1
+    _as_rank(_READ_AND_ADVISE, path, "tensor", MS_LOADPATCH_LOCAL_RANKS="2")  # one tensor again
+    assert page_cache.resident_fraction(path) == 1.0 and len(os.listdir(readers)) == 1
+    _as_rank(_READ_AND_ADVISE, path, "whole", MS_LOADPATCH_LOCAL_RANKS="2")
+    assert page_cache.resident_fraction(path) == 0.0 and not os.path.exists(readers)
+
+    with open(path, "rb") as f:
+        f.read()
+    _as_rank(_READ_AND_ADVISE, path, "whole", MS_ROLE="MS_WORKER", MS_WORKER_NUM="8")
+    assert page_cache.resident_fraction(path) == 0.0 and not os.path.exists(readers)
+
+
+_PATCHED_LOAD = """
+import sys
+import ms_loadpatch
+import mindone.transformers as mt
+from ms_loadpatch.testing import cpu_kernel_fallbacks
+with cpu_kernel_fallbacks():
+    mt.Qwen2ForCausalLM.from_pretrained(sys.argv[1])
+report = ms_loadpatch.last_report()
+assert report is not None and report.files_read, report
+"""
+
+
+def test_two_ranks_loading_under_drop_read_each_file_from_storage_once(checkpoints, readers_dir_of_children):
+    """Two ranks' patched loads under `drop`, one after the other: the first
+    leaves every file in the page cache for the second, which gives them back."""
+    directory = checkpoints["qwen2"][1]
+    _evicted(directory)
+    _as_rank(_PATCHED_LOAD, directory, MS_LOADPATCH_LOCAL_RANKS="2")
+    assert [page_cache.resident_fraction(p) for p in _files(directory)] == [1.0] * len(_files(directory))
+    _as_rank(_PATCHED_LOAD, directory, MS_LOADPATCH_LOCAL_RANKS="2")
+    assert [page_cache.resident_fraction(p) for p in _files(directory)] == [0.0] * len(_files(directory))
+    assert not os.path.exists(readers_dir_of_children)

@@ -268,7 +268,7 @@ class CastAtRead:
                 dtype, shape, begin, end = header.entries[self.name]
                 array = np.empty(end - begin, dtype=np.uint8)
                 got = read_into(f.fileno(), array, header.data_start + begin, threads=1)
-                page_cache.after_read(f.fileno())
+                page_cache.after_read(f.fileno(), whole_file=False)
         except CheckpointError:
             raise
         except OSError as exc:

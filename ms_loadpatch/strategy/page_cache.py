@@ -6,14 +6,23 @@ load does; `drop` gives a file's pages back once the load has read it
 does not leave the cache full of it. The advice is best effort: where the
 platform or the filesystem has none (tmpfs holds files in those pages), the
 pages stay. `resident_fraction` (mincore) says how much of a file is cached.
+
+Ranks of one job on a node read the same files through the shared page
+cache; a rank that gave a file back before another read it would make the
+storage serve it twice. With several local ranks the last of them to read a
+file gives it back: each reader adds its pid to the file's entry in a
+directory of the job (`readers_dir`, keyed by the launcher's pid), under an
+flock, and the one that completes the count advises and removes the entry.
 """
 
 from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import fcntl
 import mmap
 import os
+import tempfile
 
 import numpy as np
 
@@ -38,13 +47,60 @@ def policy() -> str:
     return env_choice(ENV_VAR, CHOICES)
 
 
-def after_read(fd: int) -> None:
-    """The file behind `fd` was read: under DROP, its cached pages given back."""
-    if policy() == DROP and hasattr(os, "posix_fadvise"):
+def after_read(fd: int, whole_file: bool = True) -> None:
+    """The file behind `fd` was read (`whole_file`: by the load, not one
+    tensor again): under DROP, its cached pages given back; with several
+    ranks counted on the node, by the last of them to read it."""
+    if policy() != DROP or not hasattr(os, "posix_fadvise"):
+        return
+    from .ranks import node_share
+
+    share = node_share()
+    try:
+        if share.local_ranks > 1 and share.counted and not (whole_file and _last_reader(fd, share.local_ranks)):
+            return
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    except OSError:  # advice only: a filesystem may refuse it, a shared directory be unwritable
+        pass
+
+
+def readers_dir() -> str:
+    """Where this job's ranks on the node note who has read which file: one
+    directory per launcher (the ranks' common parent process)."""
+    return os.path.join(tempfile.gettempdir(), f"ms_loadpatch-readers-{os.getuid()}-{os.getppid()}")
+
+
+def _last_reader(fd: int, local_ranks: int) -> bool:
+    """Adds this process to the readers of the file behind `fd`; True when
+    `local_ranks` distinct processes have now read it (the entry is then removed)."""
+    stat = os.fstat(fd)
+    directory = readers_dir()
+    entry = os.path.join(directory, f"{stat.st_dev}-{stat.st_ino}-{stat.st_size}-{stat.st_mtime_ns}")
+    for attempt in range(3):
+        os.makedirs(directory, mode=0o700, exist_ok=True)
         try:
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        except OSError:  # advice only: a filesystem may refuse it
-            pass
+            f = open(entry, "a+")
+            break
+        except FileNotFoundError:  # another rank removed the emptied directory in between
+            if attempt == 2:
+                raise
+    with f:
+        fcntl.flock(f.fileno(), fcntl.LOCK_EX)  # released when f closes
+        f.seek(0)
+        readers = set(f.read().split())
+        me = str(os.getpid())
+        if me not in readers:
+            readers.add(me)
+            f.write(me + "\n")
+            f.flush()
+        if len(readers) < local_ranks:
+            return False
+        os.unlink(entry)  # a later load of the job starts a new count
+    try:
+        os.rmdir(directory)
+    except OSError:  # other files still being read
+        pass
+    return True
 
 
 _libc = None

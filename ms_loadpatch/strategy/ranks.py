@@ -20,6 +20,8 @@ LOCAL_RANKS_ENV_VAR = "MS_LOADPATCH_LOCAL_RANKS"
 # Launchers that say how many of the job's processes run on this node.
 _LOCAL_SIZE_VARS = ("LOCAL_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS")
 _RANK_VARS = ("RANK_ID", "OMPI_COMM_WORLD_RANK", "RANK")
+# Sources of local_ranks that give the whole job's size
+_JOB_TOTALS = ("MS_WORKER_NUM", "RANK_SIZE")
 
 
 @dataclass(frozen=True)
@@ -31,6 +33,11 @@ class NodeShare:
     rank: int | None
     cores: int
     source: str
+
+    @property
+    def counted(self) -> bool:
+        """`local_ranks` is this node's count, not the job's total (an upper bound)."""
+        return self.source not in _JOB_TOTALS
 
     def divide(self, threads: int) -> int:
         """This rank's part of `threads` meant for the whole node, at least one."""
