@@ -3,7 +3,7 @@ exhausted resource limit, then the same load with the limit lifted.
 
 argv[1]: "nofile" (RLIMIT_NOFILE, a checkpoint of many shards) or "as"
 (RLIMIT_AS, a checkpoint larger than the address space left); argv[2]: a
-scratch directory. Prints one line `REPORT {json}`: the error of the limited
+scratch directory. LIMITS_COLD=1: every file read on the cold plan. Prints one line `REPORT {json}`: the error of the limited
 load (type, message, cause), reader threads left, whether the process state
 came back, and whether the load after lifting the limit equals an unpatched one.
 """
@@ -60,7 +60,21 @@ def load():
     return mt.Qwen2ForCausalLM.from_pretrained(directory)
 
 
-report = {"shards": shards}
+report = {"shards": shards, "cold_plans": 0}
+if os.environ.get("LIMITS_COLD"):  # every file taken for cold on slow storage: the cold plan, split in chunks
+    from ms_loadpatch.strategy import prefetch, threaded_read
+
+    real_plan = prefetch.read_plan
+
+    def counted_plan(*args, **kwargs):
+        plan = real_plan(*args, **kwargs)
+        report["cold_plans"] += plan.cold
+        return plan
+
+    prefetch._cached_share = lambda path: 0.0
+    prefetch.first_read_rate = lambda path: 1.0
+    prefetch.read_plan = counted_plan
+    threaded_read.COLD_SPLIT_FROM = 0
 with cpu_kernel_fallbacks(), ms_loadpatch.enabled():
     with ms_loadpatch.disabled():
         load()  # warm: imports and first-use allocations happen before the limit
@@ -75,6 +89,7 @@ with cpu_kernel_fallbacks(), ms_loadpatch.enabled():
         report["file_bytes"] = size
         # room for the model's lazy construction and small allocations, not for the file's data
         resource.setrlimit(resource_id, (vm_size() + size // 2, hard))
+    report["cold_plans"] = 0  # the limited load's
     try:
         model = load()
         report["error"] = None
@@ -84,6 +99,7 @@ with cpu_kernel_fallbacks(), ms_loadpatch.enabled():
                            "message": str(exc), "cause": repr(exc.__cause__)}
     finally:
         resource.setrlimit(resource_id, (soft, hard))
+    limited_cold_plans = report["cold_plans"]
     report["reader_threads"] = [t.name for t in threading.enumerate() if t.name.startswith("ms_loadpatch-read")]
     try:
         assert_state_restored(before)
@@ -97,4 +113,5 @@ with cpu_kernel_fallbacks(), ms_loadpatch.enabled():
     except AssertionError as exc:
         report["next_load_identical"] = str(exc)[:2000]
     report["checksum"] = float(np.sum([p.asnumpy().astype(np.float64).sum() for p in accelerated.get_parameters()]))
+report["cold_plans"] = limited_cold_plans
 print("REPORT " + json.dumps(report), flush=True)

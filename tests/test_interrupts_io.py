@@ -277,6 +277,11 @@ def slow(fd, view, offset, *rest):
     time.sleep(30)
     return real(fd, view, offset, *rest)
 threaded_read._pread_into = slow
+if sys.argv[2] == "patched-cold":  # the files taken for cold on slow storage: the cold plan's many threads
+    from ms_loadpatch.strategy import prefetch
+    prefetch._cached_share = lambda path: 0.0
+    prefetch.first_read_rate = lambda path: 1.0
+    threaded_read.COLD_SPLIT_FROM = 0
 with cpu_kernel_fallbacks():
     with ms_loadpatch.disabled() if sys.argv[2] == "unpatched" else ms_loadpatch.enabled():
         if sys.argv[2] == "unpatched":
@@ -288,10 +293,11 @@ print("LOADED", flush=True)
 """
 
 
-@pytest.mark.parametrize("mode", ["patched", "unpatched"])
+@pytest.mark.parametrize("mode", ["patched", "patched-cold", "unpatched"])
 def test_sigterm_mid_load_exits_like_unpatched(checkpoints, mode):
-    """SIGTERM while a reader thread is blocked in a read: the process ends
-    by the signal (default action), not hanging on its threads, no core dump."""
+    """SIGTERM while a reader thread is blocked in a read (patched-cold: one
+    of the cold plan's chunk threads): the process ends by the signal
+    (default action), not hanging on its threads, no core dump."""
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([HERE, os.environ.get("PYTHONPATH", "")]))
     proc = subprocess.Popen([sys.executable, "-c", SIGTERM_CHILD, str(checkpoints / "tf-sharded"), mode],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
@@ -416,17 +422,22 @@ def _rewrite_same_size(path):
     os.utime(path, ns=(time.time_ns() + 10**9, time.time_ns() + 10**9))
 
 
+@pytest.mark.parametrize("cache", ["warm", "cold"])
 @pytest.mark.parametrize("change", [_truncate, _grow, _rewrite_same_size], ids=lambda f: f.__name__[1:])
 @pytest.mark.parametrize("library", LIBRARIES)
-def test_file_changing_while_read(checkpoints, tmp_path, monkeypatch, library, change):
+def test_file_changing_while_read(checkpoints, tmp_path, monkeypatch, library, change, cache):
     """Another process truncating, appending to or rewriting a shard between
-    the reader's header and data reads: refused, never a mixed model."""
+    the reader's header and data reads: refused, never a mixed model; cold,
+    while the cold plan's threads read it in chunks."""
     directory = _copy(checkpoints, tmp_path, f"{library}-sharded")
     victim = file_to_break(directory)
     with monkeypatch.context() as patch:
+        plans = _cold_plan(patch, directory) if cache == "cold" else None
         _change_during_read(patch, victim, change)
         error = _fails_naming(library, directory, victim)
     assert "changed" in str(error) or "truncated" in str(error), str(error)
+    if cache == "cold":
+        assert plans and any(plan.cold for plan in plans), plans
 
 
 # -- limits (each in a subprocess: the limit is process-wide)
@@ -446,13 +457,17 @@ def _assert_clean_after(report):
     assert report["next_load_identical"] is True, report
 
 
-def test_open_files_limit(tmp_path):
+@pytest.mark.parametrize("cache", ["warm", "cold"])
+def test_open_files_limit(tmp_path, cache):
     """RLIMIT_NOFILE at the descriptors already open plus one, a checkpoint of
-    23 shards read by 8 threads: no hang (reads waiting on each other), and
-    when an open fails, EMFILE naming the file it could not open. Whether one
-    fails depends on how the threads' opens overlap; either way nothing is
-    left behind and the next load is identical."""
-    report = _limits_child("nofile", tmp_path, LIMIT_FREE_FDS="1")
+    23 shards read by 8 threads (cold: each on the cold plan's chunk
+    threads): no hang (reads waiting on each other), and when an open fails,
+    EMFILE naming the file it could not open. Whether one fails depends on
+    how the threads' opens overlap; either way nothing is left behind and
+    the next load is identical."""
+    report = _limits_child("nofile", tmp_path, LIMIT_FREE_FDS="1", LIMITS_COLD="1" if cache == "cold" else "")
+    if cache == "cold":
+        assert report["cold_plans"] > 0, report
     print("\nRLIMIT_NOFILE:", json.dumps(report["error"]))
     error = report["error"]
     if error is not None:
@@ -461,10 +476,13 @@ def test_open_files_limit(tmp_path):
     _assert_clean_after(report)
 
 
-def test_address_space_limit(tmp_path):
+@pytest.mark.parametrize("cache", ["warm", "cold"])
+def test_address_space_limit(tmp_path, cache):
     """RLIMIT_AS leaving room for half the checkpoint's data: MemoryError
-    naming the file and how much it needed."""
-    report = _limits_child("as", tmp_path)
+    naming the file and how much it needed (cold: on the cold plan)."""
+    report = _limits_child("as", tmp_path, LIMITS_COLD="1" if cache == "cold" else "")
+    if cache == "cold":
+        assert report["cold_plans"] > 0, report
     print("\nRLIMIT_AS:", json.dumps(report["error"]))
     error = report["error"]
     assert error is not None, report

@@ -190,9 +190,34 @@ def test_plan_follows_the_cache_and_the_first_read(tmp_path, monkeypatch):
         plan = prefetch.read_plan(path, 0.0, 3)
         assert plan.cold and plan.threads == expected, (rate, plan)
     assert rates == [path] * 3
+    # a read nothing runs beside (read_file's own plan): cold without the timed first read
+    assert prefetch.read_plan(path, 0.0, 3, alone=True) == threaded_read.cold_read_plan() and rates == [path] * 3
+    assert prefetch.read_plan(path, 1.0, 3, alone=True) == threaded_read.ReadPlan(3)
     monkeypatch.undo()
     rate = threaded_read.first_read_rate(path)
     assert rate is not None and rate > 0
     assert threaded_read.first_read_rate(tmp_path / "missing") is None
     (tmp_path / "short").write_bytes(b"x" * 100)
     assert threaded_read.first_read_rate(tmp_path / "short") is None  # too short to time
+
+
+def test_a_read_outside_a_load_takes_the_cold_plan_at_once(tmp_path, monkeypatch):
+    """read_file without a plan (from_single_file's read, nothing built
+    beside it): a cold file is read on the cold plan with no timed first
+    read, a cached one on the warm plan; the arrays are the file's."""
+    from ms_loadpatch.strategy import prefetch
+
+    tensors = {"a": np.arange(6, dtype=np.float32).reshape(2, 3), "b": np.ones((4,), np.float16)}
+    path = str(tmp_path / "model.safetensors")
+    save_file(tensors, path)
+    plans = []
+    real_read_arrays = prefetch.read_arrays
+    monkeypatch.setattr(prefetch, "read_arrays", lambda p, plan, *rest: plans.append(plan) or real_read_arrays(
+        p, plan, *rest))
+    monkeypatch.setattr(prefetch, "first_read_rate", lambda p: pytest.fail("timed a read nothing overlaps"))
+    monkeypatch.setenv("MS_LOADPATCH_LOCAL_RANKS", "1")
+    for cached in (0.0, 1.0):
+        monkeypatch.setattr(prefetch, "_cached_share", lambda p, cached=cached: cached)
+        arrays, _metadata, _cast = prefetch.read_file(path)
+        assert {k: np.asarray(v).tolist() for k, v in arrays.items()} == {k: v.tolist() for k, v in tensors.items()}
+    assert plans[0] == threaded_read.cold_read_plan() and not plans[1].cold, plans

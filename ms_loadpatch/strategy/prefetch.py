@@ -79,13 +79,17 @@ def _size(path) -> int:
         return 0
 
 
-def read_plan(path, cached: float | None, threads=None) -> ReadPlan:
+def read_plan(path, cached: float | None, threads=None, alone=False) -> ReadPlan:
     """How to read `path`, `cached` its share in the page cache: in the page
     cache, with `threads` (a count, None for read_threads()); cold, timed by
     its first read: on slow storage the cold plan (many requests in flight),
-    on fast storage `threads` as warm (more would take cores from the build)."""
+    on fast storage `threads` as warm (more would take cores from the build).
+    `alone`: nothing runs beside the read, so a cold file gets the cold plan
+    without the timed first read, which no other request would overlap."""
     if not page_cache.is_cold(cached):
         return as_plan(threads)
+    if alone:
+        return cold_read_plan()
     rate = first_read_rate(path)
     if rate is not None and rate >= SLOW_STREAM_BYTES_PER_S:
         return cold_read_plan(threads=as_plan(threads).threads)
@@ -264,9 +268,10 @@ def read_file(path, cast_plan=None, threads=None, stop=None, staging=None, separ
     """(arrays, metadata, cast_at_read) of one file: castread.read_cast with
     a plan, else reader.read_arrays (nothing cast while reading; `separate`:
     a buffer per tensor). `threads`: a ReadPlan, a thread count, or None for
-    the plan the file's presence in the page cache calls for."""
+    the plan the file's presence in the page cache calls for, the caller
+    waiting on the read (`read_plan(alone=True)`)."""
     if threads is None:
-        threads = read_plan(path, _cached_share(path))
+        threads = read_plan(path, _cached_share(path), alone=True)
     if cast_plan is None:
         return (*read_arrays(path, threads, stop, separate), {})
     return read_cast(path, cast_plan, threads, stop, staging)
