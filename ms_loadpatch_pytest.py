@@ -35,7 +35,7 @@ def pytest_configure(config):
 
 def _load_path(path, model_class=None, subfolder=None, **from_pretrained_kwargs):
     from ms_loadpatch.tools._child import import_model_class
-    from ms_loadpatch.tools.bench import LoadSpec
+    from ms_loadpatch.tools.spec import LoadSpec
 
     spec = LoadSpec.resolve(path, model_class if isinstance(model_class, str) else None, subfolder)
     cls = model_class if model_class is not None and not isinstance(model_class, str) else import_model_class(spec)[0]

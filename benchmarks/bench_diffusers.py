@@ -192,7 +192,7 @@ def bench_pipeline(path, repeats, progress, memory):
     specs = [bench.LoadSpec.resolve(path, subfolder=name) for name in models]
     prime = sum(bench.prime_bytes(spec, memory) for spec in specs)
     floors = {"read_seconds": 0.0, "construct_seconds": 0.0, "read_bytes": 0}
-    with bench._step(progress, "pipeline floors: read every byte, construct without init (per component)"):
+    with bench.step_of(progress, "pipeline floors: read every byte, construct without init (per component)"):
         for spec in specs:
             floor = bench.measure_floors(spec, prime=bench.prime_bytes(spec, memory))
             for key in floors:
@@ -200,7 +200,7 @@ def bench_pipeline(path, repeats, progress, memory):
     runs = {"unpatched": [], "patched": []}
     for i in range(repeats):
         for mode in runs:
-            with bench._step(progress, f"pipeline {mode} load {i + 1}/{repeats}"):
+            with bench.step_of(progress, f"pipeline {mode} load {i + 1}/{repeats}"):
                 runs[mode].append(measure_pipeline(path, mode, prime))
     result = {"floors": floors, "repeats": repeats, "memory": memory}
     for mode, mode_runs in runs.items():

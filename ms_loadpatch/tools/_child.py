@@ -18,7 +18,7 @@ import numpy as np
 
 import ms_loadpatch
 
-from .bench import LoadSpec, UsageError, distribution_version
+from .spec import LoadSpec, UsageError, distribution_version
 
 
 def _max_rss_bytes() -> int:

@@ -18,7 +18,9 @@ import tempfile
 
 import numpy as np
 
-from .bench import FALLBACK_NOTE, ChildError, LoadSpec, Progress, UsageError, measure_load
+from .children import FALLBACK_NOTE, ChildError, measure_load
+from .spec import LoadSpec, UsageError
+from .steps import Progress
 from ..testing import TensorRecord, compare
 
 SHOWN_DIFFERENCES = 20
