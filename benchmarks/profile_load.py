@@ -26,7 +26,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 sys.path.insert(0, HERE)
 
-ACCOUNTING = ("building/draws.py", "building/init_pass.py", "building/deferred_writes.py")
+ACCOUNTING = ("building/draws.py", "building/draw_patches.py", "building/init_pass.py", "building/deferred_writes.py")
 
 
 def main(argv=None) -> int:

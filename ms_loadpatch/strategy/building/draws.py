@@ -21,11 +21,8 @@ In-place writes an init pass recorded on a lazy parameter (deferred_writes)
 are kept beside the seeds (`Ledger.writes`) and replayed when the parameter
 is filled.
 
-Patched while a ledger is active, for the accounting thread only (other
-threads get mindspore's own behaviour): `Parameter.init_mode` (a descriptor
-over the instance attribute, where the draw is taken), `Tensor.init_data`
-(where a kept seed is given back), `Parameter.init_data` (where recorded
-writes are replayed) and `initializer._numpy_seed`.
+The mindspore patches that route the draws here, held while a ledger is
+active and for its thread only, are draw_patches.py.
 """
 
 from __future__ import annotations
@@ -35,170 +32,19 @@ import threading
 
 import numpy as np
 
+from .draw_patches import ACCOUNTING as _ACCOUNTING
+from .draw_patches import FILLING as _FILLING
+from .draw_patches import SeedTaken as _SeedTaken
+from .draw_patches import leftovers  # noqa: F401 - building's leftovers() reads draws.leftovers
+from .draw_patches import local as _local
+from .draw_patches import originals as _originals
+
 # initializer classes (mindspore.common.initializer) by how many draws filling a tensor takes
 NO_DRAW = ("Zero", "One", "Constant")
 ONE_DRAW = ("Normal", "Uniform", "TruncatedNormal", "HeUniform", "HeNormal", "XavierUniform", "XavierNormal",
             "VarianceScaling", "Orthogonal")
 
-_local = threading.local()  # .ledger: accounting here; .replay: a seed to give back; .captured
-_install_lock = threading.Lock()
-_originals: dict = {}
-
-
 _OWED = object()  # a seed owed (Ledger.owed), never a value an initializer gets
-
-
-class _SeedTaken(Exception):
-    """Raised by the patched _numpy_seed once it has taken the draw: the initializer stops before filling."""
-
-
-class SharedPatches:
-    """Process-wide patches held while any thread needs them (counted under one lock)."""
-
-    def __init__(self, install, uninstall):
-        self.install, self.uninstall, self.users = install, uninstall, 0
-
-    def __enter__(self):
-        with _install_lock:
-            if self.users == 0:
-                self.install()
-            self.users += 1
-        return self
-
-    def __exit__(self, *exc):
-        with _install_lock:
-            self.users -= 1
-            if self.users == 0:
-                self.uninstall()
-
-
-def _install_filling():
-    """`initializer._numpy_seed` and `Tensor.init_data`: a tensor a ledger
-    holds fills with its own draw; `Parameter.init_data`: then the writes
-    recorded on it are replayed."""
-    from mindspore import Parameter, Tensor
-    from mindspore.common import initializer as module
-
-    numpy_seed, init_data = module._numpy_seed, vars(Tensor)["init_data"]
-    parameter_init_data = vars(Parameter)["init_data"]
-    _originals.update(numpy_seed=numpy_seed, init_data=init_data, module=module, Tensor=Tensor,
-                      parameter_init_data=parameter_init_data, FilledParameter=Parameter)
-
-    def _numpy_seed():
-        replay = getattr(_local, "replay", None)
-        if replay is not None:
-            _local.replay = None
-            return replay
-        seed = numpy_seed()
-        if getattr(_local, "capturing", False):
-            _local.captured = seed
-            raise _SeedTaken
-        return seed
-
-    def patched_init_data(self, *args, **kwargs):
-        ledger = getattr(_local, "ledger", None)
-        entry = ledger.seeds.pop(id(self), None) if ledger is not None else None
-        if entry is None:
-            return init_data(self, *args, **kwargs)
-        _tensor, taken = entry
-        if isinstance(taken, np.ndarray):  # run in full when made: its values
-            self.init = _Values(taken)
-            return init_data(self, *args, **kwargs)
-        _local.replay = taken
-        try:
-            return init_data(self, *args, **kwargs)
-        finally:
-            left, _local.replay = _local.replay, None
-            if left is not None:
-                raise RuntimeError("ms_loadpatch: an initializer filled a tensor without taking its random draw")
-
-    def patched_parameter_init_data(self, *args, **kwargs):
-        ledger = getattr(_local, "ledger", None)
-        entry = None
-        if ledger is not None and ledger.writes and self.has_init:
-            entry = ledger.writes.pop(id(self.init_mode), None)
-        filled = parameter_init_data(self, *args, **kwargs)
-        if entry is not None:
-            from .deferred_writes import replay
-
-            replay(filled, entry[1])
-        return filled
-
-    patched_init_data.__wrapped__ = init_data
-    patched_parameter_init_data.__wrapped__ = parameter_init_data
-    module._numpy_seed = _numpy_seed
-    Tensor.init_data = patched_init_data
-    Parameter.init_data = patched_parameter_init_data
-
-
-def _uninstall_filling():
-    _originals["module"]._numpy_seed = _originals["numpy_seed"]
-    _originals["Tensor"].init_data = _originals["init_data"]
-    _originals["FilledParameter"].init_data = _originals["parameter_init_data"]
-    for key in ("module", "numpy_seed", "Tensor", "init_data", "FilledParameter", "parameter_init_data"):
-        del _originals[key]
-
-
-def _install_accounting():
-    """`Parameter.init_mode` as a descriptor: where a lazy parameter's draw is taken."""
-    from mindspore import Parameter
-
-    _originals["Parameter"] = Parameter
-    Parameter.init_mode = _InitMode()
-
-
-def _uninstall_accounting():
-    Parameter = _originals.pop("Parameter")
-    if isinstance(vars(Parameter).get("init_mode"), _InitMode):
-        del Parameter.init_mode
-
-
-_FILLING = SharedPatches(_install_filling, _uninstall_filling)
-_ACCOUNTING = SharedPatches(_install_accounting, _uninstall_accounting)
-
-
-def leftovers() -> list[str]:
-    """What an ended ledger would have left patched (for tests)."""
-    if _FILLING.users or _ACCOUNTING.users or _originals:
-        return [f"random-draw accounting still installed ({_FILLING.users} + {_ACCOUNTING.users} user(s))"]
-    return []
-
-
-class _InitMode:
-    """Parameter.init_mode while installed: the instance's own attribute,
-    and, when it is set to a lazy initializer tensor in a thread whose ledger
-    accounts, that tensor's draws taken now (Parameter.__new__ and set_data
-    on a lazy parameter are where mindspore sets it)."""
-
-    def __get__(self, param, owner=None):
-        if param is None:
-            return self
-        try:
-            return param.__dict__["init_mode"]
-        except KeyError:
-            raise AttributeError("init_mode") from None
-
-    def __set__(self, param, value):
-        param.__dict__["init_mode"] = value
-        ledger = getattr(_local, "ledger", None)
-        if ledger is not None and value is not None:
-            ledger.take(value)
-            if ledger.assignments is not None:
-                ledger.assignments.append((param, value))
-
-    def __delete__(self, param):
-        del param.__dict__["init_mode"]
-
-
-class _Values:
-    """An initializer giving back the values a run in full made."""
-
-    def __init__(self, values):
-        self.values = values
-        self.seed = (None, None)
-
-    def __call__(self, arr):
-        np.copyto(arr, self.values)
 
 
 class Ledger:

@@ -20,7 +20,7 @@ import threading
 import numpy as np
 from mindspore import Parameter, Tensor
 
-from .draws import SharedPatches
+from .draw_patches import SharedPatches
 
 _local = threading.local()  # .fast: this thread's build takes copies; .foreign: ids of parameters not its own
 # Tensor's own assign_value (a Parameter's class derives from Tensor and Parameter); kept once
