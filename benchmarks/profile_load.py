@@ -8,7 +8,7 @@ Cases as bench_ab.py's (`bench`, `moe`, `qwen2`, an MoE family). The load
 report's phases (wall clock, without the profiler) come first; then the
 profile's own time per plugin module (tottime summed: the profiler's cost
 per call inflates modules with many small calls, so read the shares, not
-the seconds), with the random-state accounting (draws.py, init_pass.py,
+the seconds), with the random-state accounting (draws.py, draw_patches.py, init_pass.py,
 deferred_writes.py) summed; then the accounting's functions and all
 functions with the most cumulative time.
 """
