@@ -8,6 +8,8 @@ their findings into the technique rows and the per-library gate.
 
 from __future__ import annotations
 
+from .strategy.verdict import Problem
+
 # mindone's ModuleUtilsMixin methods that targets.py patches; PreTrainedModel
 # lists nn.Cell first among its bases, so a Cell method of the same name wins.
 # Only `to` (mindspore 2.10+) has a wrapper of its own (glue.transformers.cell_to).
@@ -234,14 +236,18 @@ def _probe_draws() -> str | None:
     return draws.probe()
 
 
-def probe(ms) -> tuple[tuple[str, ...], tuple[tuple[str, str], ...], dict]:
-    """(why `ms` cannot take the fast path at all, (library, why that
-    library's cannot), optional features present); empty when it can."""
+# the techniques a Problem of probe() names
+LAZY_FILL, RANDOM_DRAWS, CELL_TO, MIXIN_METHODS = "lazy-fill", "random-draws", "cell-to-keeping-lazy", "mixin-methods"
+
+
+def probe(ms) -> tuple[tuple[str, ...], tuple[Problem, ...], dict]:
+    """(why `ms` cannot take the fast path at all, the Problems that skip one
+    library's or one technique's fast path, optional features present); empty when it can."""
     problems = []
-    for owner, attribute in (("Parameter", "set_data"), ("Parameter", "init_data"),
-                             ("Tensor", "set_dtype"), ("Tensor", "from_numpy")):
-        if not callable(getattr(getattr(ms, owner, None), attribute, None)):
-            problems.append(f"lacks {owner}.{attribute}")
+    lacking = [(owner, attribute) for owner, attribute in (("Parameter", "set_data"), ("Parameter", "init_data"),
+                                                           ("Tensor", "set_dtype"), ("Tensor", "from_numpy"))
+               if not callable(getattr(getattr(ms, owner, None), attribute, None))]
+    problems += [f"lacks {owner}.{attribute}" for owner, attribute in lacking]
     try:
         from mindspore.nn import utils as nn_utils
 
@@ -249,7 +255,7 @@ def probe(ms) -> tuple[tuple[str, ...], tuple[tuple[str, str], ...], dict]:
             problems.append("lacks mindspore.nn.utils.no_init_parameters")
     except ImportError:
         problems.append("lacks mindspore.nn.utils.no_init_parameters")
-    if "lacks Tensor.from_numpy" not in problems:
+    if ("Tensor", "from_numpy") not in lacking:
         bf16 = _probe_bfloat16(ms)
         if bf16 is not None:
             problems.append(bf16)
@@ -257,11 +263,13 @@ def probe(ms) -> tuple[tuple[str, ...], tuple[tuple[str, str], ...], dict]:
     if not problems:
         failed = _probe_fill(ms)
         if failed is not None:
-            library_problems.append(("transformers", f"filling a lazy parameter: its probe failed ({failed})"))
+            library_problems.append(Problem(LAZY_FILL, ("transformers",),
+                                            f"filling a lazy parameter: its probe failed ({failed})"))
         failed = _probe_draws()
         if failed is not None:
-            library_problems.append(("transformers", "taking the random draws of lazy parameters (the unpatched "
-                                                     f"build runs every initializer): its probe failed ({failed})"))
+            library_problems.append(Problem(RANDOM_DRAWS, ("transformers",),
+                                            "taking the random draws of lazy parameters (the unpatched build runs "
+                                            f"every initializer): its probe failed ({failed})"))
     cell = getattr(getattr(ms, "nn", None), "Cell", None)
     features = {"cell_to": cell is not None and "to" in vars(cell)}
     for name in _MIXIN_METHODS:
@@ -271,8 +279,10 @@ def probe(ms) -> tuple[tuple[str, ...], tuple[tuple[str, str], ...], dict]:
             failed = _probe_cell_to(ms)
             if failed is None:
                 continue
-            problem = f"nn.Cell.to shadows mindone's ModuleUtilsMixin.to and its probe failed ({failed})"
+            problem = Problem(CELL_TO, ("transformers",),
+                              f"nn.Cell.to shadows mindone's ModuleUtilsMixin.to and its probe failed ({failed})")
         else:
-            problem = f"nn.Cell.{name} shadows mindone's ModuleUtilsMixin.{name}, which the fast path patches"
-        library_problems.append(("transformers", problem))
+            problem = Problem(MIXIN_METHODS, ("transformers",), f"nn.Cell.{name} shadows mindone's "
+                                                                f"ModuleUtilsMixin.{name}, which the fast path patches")
+        library_problems.append(problem)
     return tuple(problems), tuple(library_problems), features

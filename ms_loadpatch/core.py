@@ -186,29 +186,26 @@ class _Patcher:
                 self._apply_module(module, prepared)
 
     def _prepare_module(self, module) -> dict:
-        """target key -> (unmet requirement or None, wrapper or the exception
+        """target key -> (versions.Unmet or None, wrapper or the exception
         resolving it raised) for `module`'s targets: what probes or imports,
         done without holding the lock."""
         prepared = {}
         for target in self._targets_of(module.__name__):
-            reason = versions.unmet_requirement(target.requires, target.library, target.feature)
+            unmet = versions.unmet_requirement(target.requires, target.library, target.feature)
             try:
-                wrapper = _resolve_wrapper(target.wrapper) if reason is None else None
+                wrapper = _resolve_wrapper(target.wrapper) if unmet is None else None
             except Exception as exc:
                 wrapper = exc
-            prepared[target.key] = (reason, wrapper)
+            prepared[target.key] = (unmet, wrapper)
         return prepared
 
     def _apply_module(self, module, prepared: dict) -> None:
         for target in self._targets_of(module.__name__):
             if target.key in self._handles:
                 continue
-            reason, wrapper = prepared[target.key]
-            if reason is not None and reason.startswith(versions.NOT_NEEDED_PREFIX):
-                self._states[target.key] = (NOT_NEEDED, reason[len(versions.NOT_NEEDED_PREFIX):])
-                continue
-            if reason is not None:
-                self._states[target.key] = (SKIPPED, reason)
+            unmet, wrapper = prepared[target.key]
+            if unmet is not None:
+                self._states[target.key] = (SKIPPED if unmet.needed else NOT_NEEDED, unmet.reason)
                 continue
             try:
                 if isinstance(wrapper, Exception):

@@ -141,7 +141,16 @@ def check() -> GateResult:
     return GateResult(versions, refusal, tuple(untested))
 
 
-def unmet_requirement(requires: dict[str, str], library: str | None = None, feature: str | None = None) -> str | None:
+@dataclasses.dataclass(frozen=True)
+class Unmet:
+    """Why a target is not patched; `needed` False: this mindspore lacks the
+    feature the target exists for, so mindone's own code is already right."""
+
+    reason: str
+    needed: bool = True
+
+
+def unmet_requirement(requires: dict[str, str], library: str | None = None, feature: str | None = None) -> Unmet | None:
     """Why a target is skipped (the first requirement it does not meet), or
     None when it may be patched.
 
@@ -154,20 +163,18 @@ def unmet_requirement(requires: dict[str, str], library: str | None = None, feat
     for distribution, specifier in requires.items():
         version = installed_version(distribution)
         if version is None:
-            return f"{distribution} is not installed"
+            return Unmet(f"{distribution} is not installed")
         if not SpecifierSet(specifier).contains(version, prereleases=True):
-            return f"needs {distribution}{specifier}, found {version}"
+            return Unmet(f"needs {distribution}{specifier}, found {version}")
     if "mindspore" in sys.modules:
         chosen = techniques()
         if library is not None and chosen.refusal_for(library):
-            return chosen.refusal_for(library)
+            return Unmet(chosen.refusal_for(library))
         if feature is not None and not chosen.features.get(feature):
-            return NOT_NEEDED_PREFIX + FEATURES[feature]
+            return Unmet(FEATURES[feature], needed=False)
     return None
 
 
-# An unmet_requirement() reason with this prefix: the target is not needed here.
-NOT_NEEDED_PREFIX = "not needed: "
 # Optional mindspore features a target exists for: name -> what lacking it means.
 FEATURES = {
     "cell_to": "this mindspore's nn.Cell has no `to`; models resolve mindone's ModuleUtilsMixin.to",
@@ -253,8 +260,8 @@ class Techniques:
     to_tensor: str
     # Why this mindspore cannot take the fast path at all (empty when it can).
     problems: tuple[str, ...] = ()
-    # (library, problem): why one library's fast path is skipped on this mindspore.
-    library_problems: tuple[tuple[str, str], ...] = ()
+    # verdict.Problem: a technique that cannot be used on this mindspore, and the libraries it gates.
+    library_problems: tuple = ()
     # optional mindspore features (FEATURES) present in this mindspore
     features: dict = dataclasses.field(default_factory=dict)
     # why a checkpoint array cannot become a Parameter over its own buffer here (None: it can)
@@ -262,10 +269,16 @@ class Techniques:
     # why a copy into a lazy parameter (assign_value) cannot skip its fill here (None: it can)
     lazy_assign_problem: str | None = None
 
+    def problem_of(self, technique: str) -> str | None:
+        """Why `technique` (api_probes' names) cannot be used here, or None."""
+        return "; ".join(p.reason for p in self.library_problems if p.technique == technique) or None
+
     @property
     def draws_problem(self) -> str | None:
         """Why lazy parameters cannot take their random draws when made, or None."""
-        return "; ".join(p for _, p in self.library_problems if "random draws" in p) or None
+        from .api_probes import RANDOM_DRAWS
+
+        return self.problem_of(RANDOM_DRAWS)
 
     @property
     def refusal(self) -> str | None:
@@ -286,8 +299,10 @@ class Techniques:
         ]
         for row in rows:
             row.update(state=SKIPPED if everywhere else ACTIVE, reason=everywhere)
+        from .api_probes import CELL_TO, RANDOM_DRAWS
+
         own = self.draws_problem
-        rows.append({"name": "random-draws", "libraries": list(LIBRARIES),
+        rows.append({"name": RANDOM_DRAWS, "libraries": list(LIBRARIES),
                      "description": "a lazily built parameter takes, when made, the numpy draws of the initializer "
                                     "the unpatched build runs; one the checkpoint lacks is filled with them "
                                     "(probed against plain builds)",
@@ -304,8 +319,8 @@ class Techniques:
                      "state": SKIPPED if self.lazy_assign_problem or everywhere else ACTIVE,
                      "reason": self.lazy_assign_problem or everywhere})
         if self.features.get("cell_to"):
-            own = "; ".join(p for name, p in self.library_problems if name == "transformers" and "Cell.to" in p)
-            rows.append({"name": "cell-to-keeping-lazy", "libraries": ["transformers"],
+            own = self.problem_of(CELL_TO)
+            rows.append({"name": CELL_TO, "libraries": ["transformers"],
                          "description": "nn.Cell.to inside an accelerated load leaves lazy parameters unread "
                                         "(probed against nn.Cell.to)",
                          "state": SKIPPED if own or everywhere else ACTIVE, "reason": own or everywhere})
@@ -313,7 +328,7 @@ class Techniques:
 
     def refusal_for(self, library: str) -> str | None:
         """Why `library`'s targets are skipped on this mindspore, or None."""
-        own = tuple(problem for name, problem in self.library_problems if name == library)
+        own = tuple(problem.reason for problem in self.library_problems if library in problem.libraries)
         if not self.problems and not own:
             return None
         return (f"mindspore {self.mindspore} cannot take the mindone.{library} fast path: "

@@ -4,9 +4,21 @@ that reproduce a mindspore function make of its code."""
 
 from __future__ import annotations
 
+import dataclasses
+
 from . import switch
 
 ACTIVE, SKIPPED, OFF = "active", "skipped", "off"
+
+
+@dataclasses.dataclass(frozen=True)
+class Problem:
+    """A probe's finding: which technique cannot be used here, the libraries
+    whose fast path it gates, and why (what status, the gate and the log show)."""
+
+    technique: str
+    libraries: tuple[str, ...]
+    reason: str
 
 
 def row(name: str, libraries, description: str, problem: str | None, passed: str) -> dict:
