@@ -4,7 +4,8 @@ version matrix read.
 
 Kinds: "api" (how tensors are made, assigned and cast: versions.Techniques,
 probed per mindspore), "cast-on-read" (strategy/castread.py), "cell-passes"
-(strategy/cellpasses.py) and "construction" (strategy/building/). Above the
+(strategy/cellpasses.py), "construction" (strategy/building/) and
+"repeated-code" (fingerprints.py: mindone code the glue repeats). Above the
 strategy and versions.py: it reads both. A new kind is one entry in `_KINDS`:
 a function giving its rows (name, libraries, description, state, reason).
 """
@@ -45,9 +46,15 @@ def _construction_rows() -> list[dict]:
             for row in building.technique_status()]
 
 
+def _repeated_code_rows() -> list[dict]:
+    from . import fingerprints
+
+    return fingerprints.rows()
+
+
 # (kind, rows); all but api need lazy construction (an api row) active
 _KINDS = (("api", _api_rows), ("cast-on-read", _cast_on_read_rows), ("cell-passes", _cell_pass_rows),
-          ("construction", _construction_rows))
+          ("construction", _construction_rows), ("repeated-code", _repeated_code_rows))
 
 
 def status_rows() -> list[dict]:

@@ -11,7 +11,7 @@ import os
 
 import mindspore as ms
 
-from .. import core
+from .. import core, fingerprints
 from ..strategy import context
 from ..strategy.assign import cast_parameters
 from ..strategy.building import fast_construction
@@ -110,17 +110,22 @@ def from_config(wrapped, instance, args, kwargs):
 
 
 def half(wrapped, instance, args, kwargs):
-    if args or kwargs:
+    if args or kwargs or _changed("half"):
         return wrapped(*args, **kwargs)
     cast_parameters(instance, ms.float16)
     return instance
 
 
 def float_(wrapped, instance, args, kwargs):
-    if args or kwargs:
+    if args or kwargs or _changed("float"):
         return wrapped(*args, **kwargs)
     cast_parameters(instance, ms.float32)
     return instance
+
+
+def _changed(method) -> str | None:
+    """Why either library's `method` (the same source in both) is not the code cast_parameters repeats."""
+    return fingerprints.changed(f"transformers.{method}") or fingerprints.changed(f"diffusers.{method}")
 
 
 # -- inside an accelerated load

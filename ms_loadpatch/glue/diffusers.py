@@ -34,6 +34,7 @@ import mindspore as ms
 import wrapt
 
 from . import build_then_fill, common
+from .. import fingerprints
 from .calls import argument, inside_load, with_argument
 from ..strategy import context
 from ..strategy.assign import assign_in_final_dtype, cast_parameters, parameter_index
@@ -71,7 +72,7 @@ def _fallback_reason(cls, kwargs) -> str | None:
     base = _modeling_utils().ModelMixin
     if not (isinstance(cls, type) and issubclass(cls, base)):
         return "not called on a ModelMixin class"
-    return common.overridden_method(cls, base, _LOADING_PATH)
+    return common.overridden_method(cls, base, _LOADING_PATH) or fingerprints.library_problem(_LIBRARY)
 
 
 # -- entry points (targets.TARGETS; from_config, half and float are common's)
@@ -121,7 +122,7 @@ def no_init_parameters(wrapped, instance, args, kwargs):
 
 def to(wrapped, instance, args, kwargs):
     dtype = argument(wrapped, args, kwargs, "dtype")
-    if not isinstance(dtype, ms.Type) or len(args) + len(kwargs) != 1:
+    if not isinstance(dtype, ms.Type) or len(args) + len(kwargs) != 1 or fingerprints.changed("diffusers.to"):
         return wrapped(*args, **kwargs)
     cast_parameters(instance, dtype)
     return instance
@@ -140,6 +141,7 @@ def load_state_dict(wrapped, instance, args, kwargs):
         or dduf_entries
         or not isinstance(checkpoint_file, (str, os.PathLike))
         or not os.fspath(checkpoint_file).endswith(".safetensors")
+        or fingerprints.changed("diffusers.load_state_dict")
     ):
         return wrapped(*args, **kwargs)
     ctx = _active()

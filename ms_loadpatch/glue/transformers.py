@@ -18,6 +18,7 @@ import mindspore as ms
 import wrapt
 
 from . import common
+from .. import fingerprints
 from .calls import argument, inside_load
 from ..strategy import building, cellpasses, context
 from ..strategy.assign import assign, cast_parameters, cell_to_keeping_lazy, check_and_pair
@@ -42,7 +43,8 @@ def _fallback_reason(cls, kwargs) -> str | None:
         return "TF / Flax checkpoints"
     if kwargs.get("state_dict") is not None:
         return "a state_dict passed by the caller (its tensors must not be aliased)"
-    return common.overridden_method(cls, _modeling_utils().PreTrainedModel, _LOADING_PATH)
+    return (common.overridden_method(cls, _modeling_utils().PreTrainedModel, _LOADING_PATH)
+            or fingerprints.library_problem("transformers"))
 
 
 # -- entry points (targets.TARGETS; from_config, half and float are common's)
@@ -114,7 +116,7 @@ def _resolved_archive_file(exc, wrapped):
 
 def to(wrapped, instance, args, kwargs):
     dtype = argument(wrapped, args, kwargs, "dtype")
-    if dtype is None or len(args) > 1 or set(kwargs) - {"dtype"}:
+    if dtype is None or len(args) > 1 or set(kwargs) - {"dtype"} or fingerprints.changed("transformers.to"):
         return wrapped(*args, **kwargs)
     cast_parameters(instance, dtype)
     return instance
@@ -140,6 +142,8 @@ def cell_to(wrapped, instance, args, kwargs):
 
 def load_state_dict(wrapped, instance, args, kwargs):
     checkpoint_file = argument(wrapped, args, kwargs, "checkpoint_file")
+    if fingerprints.changed("transformers.load_state_dict"):
+        return wrapped(*args, **kwargs)
     if len(args) + len(kwargs) != 1 or not os.fspath(checkpoint_file).endswith(".safetensors"):
         logger.debug("ms_loadpatch: %s is not safetensors: left to mindone's load_state_dict", checkpoint_file)
         return wrapped(*args, **kwargs)  # not a format the fast reader knows: mindone decides
@@ -182,7 +186,8 @@ def init_weights(wrapped, instance, args, kwargs):
     ties after the build), the parameter names refreshed as mindone does."""
     ctx = context.current()
     if ctx is None or not ctx.constructing:
-        if _modeling_utils()._init_weights or not window.in_builder():
+        if _modeling_utils()._init_weights or not window.in_builder() or fingerprints.changed(
+                "transformers.init_weights"):
             return wrapped(*args, **kwargs)
         # a build inside lazy_construction() with mindone's init pass off: what init_weights does then
         refresh_parameter_names(instance)
@@ -214,18 +219,12 @@ def _init_pass(owner, ledger, counts):
                   copied_from=building.copied_from, counts=counts, owe_draws=True)
 
 
-# mindone 0.5's PreTrainedModel.tie_weights, which tie_weights below repeats: the names its code uses
-_TIE_WEIGHTS_NAMES = ("cells_and_names", "isinstance", "PreTrainedModel", "tie_embeddings_and_encoder_decoder",
-                      "hasattr", "_tie_weights")
-
-
 def tie_weights(wrapped, instance, args, kwargs):
     """PreTrainedModel.tie_weights (from_pretrained calls it twice) inside an
     accelerated load: the same walk and calls, its per-cell
     `hasattr(cell, "_tie_weights")` answered by cellpasses. Anywhere else, or
     when mindone's method is not the one this repeats, mindone's own."""
-    code = getattr(getattr(wrapped, "__func__", wrapped), "__code__", None)
-    if (context.current() is None or args or kwargs or code is None or code.co_names != _TIE_WEIGHTS_NAMES
+    if (context.current() is None or args or kwargs or fingerprints.changed("transformers.tie_weights")
             or not cellpasses.active()):
         return wrapped(*args, **kwargs)
     base = _modeling_utils().PreTrainedModel

@@ -1,0 +1,115 @@
+"""mindone code the glue repeats instead of calling: for each such function,
+the hash of its source as the glue was written against (mindone 0.5.0).
+
+A wrapper that does a function's work itself (key conversion, the init
+pass, tie_weights, casts, reads, assignment) is right only while mindone's
+function is the code it repeats. Where the installed source differs (a
+post release, a patched install), that library's loads run mindone's own
+path, the wrappers call the original, and status() names the function.
+Checked once per process, when the library's module is imported.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import inspect
+import sys
+import threading
+
+_TF = "mindone.transformers.modeling_utils"
+_DF = "mindone.diffusers.models.modeling_utils"
+_DF_LOADING = "mindone.diffusers.models.model_loading_utils"
+
+# name -> (library, module, qualified name, sha256 of its source, first 16 hex digits)
+REPEATED = {
+    "transformers.init_weights": ("transformers", _TF, "PreTrainedModel.init_weights", "49f0cd04178b768c"),
+    "transformers.initialize_weights": ("transformers", _TF, "PreTrainedModel._initialize_weights",
+                                        "d10d3f8322629b63"),
+    "transformers.tie_weights": ("transformers", _TF, "PreTrainedModel.tie_weights", "82c28d7d7151676a"),
+    "transformers.convert_state_dict": ("transformers", _TF, "_convert_state_dict", "84fdfef36f4f71de"),
+    "transformers.load_state_dict": ("transformers", _TF, "load_state_dict", "687a371713fe0324"),
+    "transformers.load_state_dict_into_model": ("transformers", _TF, "_load_state_dict_into_model",
+                                                "f0226e89bb0f66ed"),
+    "transformers.half": ("transformers", _TF, "ModuleUtilsMixin.half", "0cc14b4ce54dc82e"),
+    "transformers.float": ("transformers", _TF, "ModuleUtilsMixin.float", "2d26d49d40efb2a2"),
+    "transformers.to": ("transformers", _TF, "ModuleUtilsMixin.to", "89b80facc895c437"),
+    "diffusers.half": ("diffusers", _DF, "ModelMixin.half", "0cc14b4ce54dc82e"),
+    "diffusers.float": ("diffusers", _DF, "ModelMixin.float", "2d26d49d40efb2a2"),
+    "diffusers.to": ("diffusers", _DF, "ModelMixin.to", "89b80facc895c437"),
+    "diffusers.convert_state_dict": ("diffusers", _DF, "_convert_state_dict", "42044b9d362c272e"),
+    "diffusers.load_shard_file": ("diffusers", _DF_LOADING, "_load_shard_file", "3412531322c2645b"),
+    "diffusers.load_state_dict": ("diffusers", _DF_LOADING, "load_state_dict", "30fc298fc89f953b"),
+}
+
+_lock = threading.Lock()
+_checked: dict[str, str | None] = {}  # name -> why it differs, None when it is the code repeated
+
+
+def source_hash(function) -> str:
+    """The first 16 hex digits of the sha256 of `function`'s source (its wrappers unwrapped)."""
+    return hashlib.sha256(inspect.getsource(inspect.unwrap(function)).encode()).hexdigest()[:16]
+
+
+def _original(module_name, qualname):
+    owner = importlib.import_module(module_name)
+    *path, name = qualname.split(".")
+    for part in path:
+        owner = getattr(owner, part)
+    return vars(owner)[name] if isinstance(owner, type) else getattr(owner, name)
+
+
+def changed(name: str) -> str | None:
+    """Why the installed mindone function `name` (a REPEATED key) is not the
+    code its wrapper repeats, or None when it is. Checked once per process."""
+    if name in _checked:
+        return _checked[name]
+    library, module_name, qualname, expected = REPEATED[name]
+    if module_name not in sys.modules:  # nothing of it has run: checked once it is imported
+        return None
+    with _lock:
+        if name not in _checked:
+            try:
+                found = source_hash(_original(module_name, qualname))
+                reason = None if found == expected else (
+                    f"{module_name}.{qualname} is not the code ms_loadpatch repeats (source {found}, "
+                    f"expected {expected}): mindone.{library} loads run mindone's own path")
+            except Exception as exc:  # noqa: BLE001 - a function gone or without source: not the code repeated
+                reason = f"{module_name}.{qualname} cannot be checked ({type(exc).__name__}: {exc})"
+            _checked[name] = reason
+    return _checked[name]
+
+
+def library_problem(library: str) -> str | None:
+    """Why `library`'s accelerated loads cannot repeat mindone's code here (every function it repeats), or None."""
+    reasons = [changed(name) for name, row in REPEATED.items() if row[0] == library]
+    return "; ".join(r for r in reasons if r) or None
+
+
+def rows() -> list[dict]:
+    """status()'s row: whether the mindone code each library's glue repeats is unchanged here."""
+    from .strategy.verdict import ACTIVE, SKIPPED
+
+    libraries = ("transformers", "diffusers")
+    parts, skipped = [], []
+    for library in libraries:
+        names = [name for name, row in REPEATED.items() if row[0] == library]
+        problem = library_problem(library)
+        if problem is not None:
+            skipped.append(library)
+            parts.append(f"{library}: {problem}")
+        elif any(REPEATED[name][1] not in sys.modules for name in names):
+            parts.append(f"{library}: checked when its modules are imported")
+        else:
+            parts.append(f"{library}: the {len(names)} functions' source as repeated")
+    return [{"name": "repeated-mindone-code", "libraries": list(libraries),
+             "description": "mindone functions the glue repeats instead of calling (key conversion, init pass, "
+                            "tie_weights, casts, reads), checked by the hash of their source; a library whose "
+                            "code differs loads on mindone's own path",
+             "state": SKIPPED if skipped else ACTIVE, "reason": "; ".join(parts)}]
+
+
+def forget() -> None:
+    """Check again at the next use (tests)."""
+    with _lock:
+        _checked.clear()
