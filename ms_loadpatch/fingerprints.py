@@ -6,7 +6,7 @@ pass, tie_weights, casts, reads, assignment) is right only while mindone's
 function is the code it repeats. Where the installed source differs (a
 post release, a patched install), that library's loads run mindone's own
 path, the wrappers call the original, and status() names the function.
-Checked once per process, when the library's module is imported.
+Checked once per process, at the first use after its module is imported.
 """
 
 from __future__ import annotations
