@@ -70,10 +70,15 @@ directory = save_family(cls, config(pad_token_id=None), {directory!r})
 stored = load_file(os.path.join(directory, "model.safetensors"))
 
 def outcome(load):
+    # a kernel's error may surface inside mindone's own handler, re-raised as another type: the chain's first lines
     try:
         return load(), None
-    except RuntimeError as exc:
-        return None, str(exc).splitlines()[0]
+    except Exception as exc:
+        chain = []
+        while exc is not None:
+            chain.append(f"{{type(exc).__name__}}: {{(str(exc).splitlines() or [''])[0]}}")
+            exc = exc.__cause__ or exc.__context__
+        return None, " <- ".join(chain)
 
 # patched first, read before the unpatched load: a failed kernel's error surfaces at a later sync
 with cpu_kernel_fallbacks(in_place=False):
