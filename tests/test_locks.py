@@ -73,3 +73,105 @@ def test_no_lock_order_inversion(case):
     except subprocess.TimeoutExpired:
         pytest.fail(f"{case}: the two threads deadlocked")
     assert proc.returncode == 0 and proc.stdout.strip().endswith("DONE"), (proc.stdout[-2000:], proc.stderr[-3000:])
+
+
+# -- every nested acquisition against ms_loadpatch.locks.LOCK_ORDER
+
+_RECORDING = r"""
+import importlib, json, sys, threading
+import ms_loadpatch
+import mindone.diffusers as md
+import mindone.transformers as mt
+import mindone.diffusers.models.modeling_utils  # noqa: F401 - the glue imported before the locks are swapped
+import mindone.transformers.modeling_utils  # noqa: F401
+from ms_loadpatch.locks import LOCK_ORDER
+from ms_loadpatch.testing import cpu_kernel_fallbacks
+
+sys.path.insert(0, sys.argv[2])
+from _helpers import tiny_qwen2_config, tiny_vae
+
+held = threading.local()
+pairs = set()
+
+
+class Tracked:
+    def __init__(self, lock, rank, name):
+        self._lock, self.rank, self.name = lock, rank, name
+
+    def acquire(self, *args, **kwargs):
+        got = self._lock.acquire(*args, **kwargs)
+        if got:
+            stack = held.__dict__.setdefault("stack", [])
+            if self not in stack:  # a re-entrant lock taken again is no new nesting
+                pairs.update((outer.name, self.name, outer.rank, self.rank) for outer in stack)
+            stack.append(self)
+        return got
+
+    def release(self):
+        stack = held.stack
+        del stack[len(stack) - 1 - stack[::-1].index(self)]
+        self._lock.release()
+
+    __enter__ = acquire
+
+    def __exit__(self, *exc):
+        self.release()
+
+    def __getattr__(self, name):
+        return getattr(self._lock, name)
+
+
+names = []
+for rank, (module_name, path) in enumerate(LOCK_ORDER):
+    owner = importlib.import_module("ms_loadpatch." + module_name)
+    *parents, attr = path.split(".")
+    for parent in parents:
+        owner = getattr(owner, parent)
+    original = getattr(owner, attr)
+    tracked = Tracked(original, rank, f"{module_name}.{path}")
+    setattr(owner, attr, tracked)
+    for module in list(sys.modules.values()):  # names bound by `from ... import` elsewhere in the package
+        if getattr(module, "__name__", "").startswith("ms_loadpatch"):
+            for key, value in list(vars(module).items()):
+                if value is original:
+                    setattr(module, key, tracked)
+    names.append(tracked.name)
+
+root = sys.argv[1]
+with ms_loadpatch.disabled(), cpu_kernel_fallbacks():
+    mt.Qwen2ForCausalLM(tiny_qwen2_config()).save_pretrained(root + "/qwen2")
+    md.AutoencoderKL(**tiny_vae()).save_pretrained(root + "/vae")
+with cpu_kernel_fallbacks():
+    worker = threading.Thread(target=ms_loadpatch.status)  # probes from another thread, as a job's monitor might
+    worker.start()
+    mt.Qwen2ForCausalLM.from_pretrained(root + "/qwen2").half()
+    md.AutoencoderKL.from_pretrained(root + "/vae").to(mindspore_dtype_placeholder)
+    md.AutoencoderKL.from_config(md.AutoencoderKL.load_config(root + "/vae"))
+    worker.join()
+    ms_loadpatch.status()
+print("RESULT " + json.dumps({"names": names, "pairs": sorted(pairs)}), flush=True)
+"""
+
+
+def test_nested_locks_follow_the_lock_order_table(tmp_path):
+    """Real loads of both libraries, status() from another thread, the
+    probes run for the first time: every lock of LOCK_ORDER (each resolved,
+    so a stale row fails) is only taken while holding locks before it."""
+    import json
+
+    here = os.path.dirname(os.path.abspath(__file__))
+    env = {k: v for k, v in os.environ.items() if k != "MS_LOADPATCH"}
+    env.update(GLOG_v="3")
+    code = _RECORDING.replace("mindspore_dtype_placeholder", "__import__('mindspore').float16")
+    proc = subprocess.run([sys.executable, "-c", code, str(tmp_path), here], env=env, capture_output=True, text=True,
+                          timeout=600)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    assert proc.returncode == 0 and lines, (proc.stdout[-2000:], proc.stderr[-3000:])
+    result = json.loads(lines[-1][len("RESULT "):])
+    from ms_loadpatch.locks import LOCK_ORDER
+
+    assert len(result["names"]) == len(LOCK_ORDER)
+    pairs = [tuple(pair) for pair in result["pairs"]]
+    assert any(outer == "strategy.building.lazy.CONSTRUCTION_LOCK" for outer, *_ in pairs), pairs  # not vacuous
+    inverted = [(outer, inner) for outer, inner, outer_rank, inner_rank in pairs if outer_rank >= inner_rank]
+    assert inverted == [], f"taken against LOCK_ORDER (held, then taken): {inverted}"

@@ -1,0 +1,37 @@
+"""The one order ms_loadpatch's locks are taken in: a thread takes a lock
+only while holding locks that come before it in LOCK_ORDER (a re-entrant
+lock may be taken again). `tests/test_locks.py` records every nested
+acquisition during real loads, status calls and probes and checks them
+against this table; docs/architecture.md#locks explains each place.
+
+Rows are (module, attribute path) from the package root: a module-level
+lock, or one held by a module-level object. Locks made per load (the
+read-ahead queue's, the progress line's) are taken alone, under nothing of
+this package's, and are not listed.
+"""
+
+from __future__ import annotations
+
+LOCK_ORDER = (
+    # held across a build and across a whole build-then-fill call (re-entrant)
+    ("strategy.building.lazy", "CONSTRUCTION_LOCK"),
+    # the construction probes, asked for while a build holds the lock above
+    ("strategy.building", "_probe_lock"),
+    # what follows is taken under nothing else of the package's but the above
+    ("core", "_PATCHER._lock"),
+    ("strategy.building.gc_pause", "_lock"),
+    ("strategy.building.draws", "_verify_lock"),
+    ("strategy.building.deferred_writes", "_verify_lock"),
+    ("strategy.building.draw_patches", "_install_lock"),
+    ("strategy.cellpasses", "_lock"),
+    ("strategy.castread", "_probe_lock"),
+    ("lazy_import", "_lock"),
+    ("eager_import_scan", "_eager_bound_lock"),
+    ("fingerprints", "_lock"),
+    ("strategy.context", "_handler_lock"),
+)
+
+
+def rank(module: str, path: str) -> int:
+    """The position of a lock in LOCK_ORDER (a lock comes after every lower one)."""
+    return LOCK_ORDER.index((module, path))
