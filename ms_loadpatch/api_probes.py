@@ -2,7 +2,7 @@
 load needs (`set_data`, `init_data`, `set_dtype`, `from_numpy`, bf16 arrays,
 `no_init_parameters`), and whether what the strategy does with it gives
 mindspore's own result (filling a lazy parameter, `nn.Cell.to` on a lazily
-built model). Run once per process by `versions.techniques()`, which turns
+built model). Run once per process by `api_verdict.api_verdict()`, which turns
 their findings into the technique rows and the per-library gate.
 """
 

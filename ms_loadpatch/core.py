@@ -16,6 +16,7 @@ import threading
 import wrapt
 
 from . import lazy_import, techniques, versions
+from .api_verdict import unmet_requirement
 from .targets import FROM_PRETRAINED, TARGETS, Target
 
 logger = logging.getLogger("ms_loadpatch")
@@ -186,12 +187,12 @@ class _Patcher:
                 self._apply_module(module, prepared)
 
     def _prepare_module(self, module) -> dict:
-        """target key -> (versions.Unmet or None, wrapper or the exception
+        """target key -> (api_verdict.Unmet or None, wrapper or the exception
         resolving it raised) for `module`'s targets: what probes or imports,
         done without holding the lock."""
         prepared = {}
         for target in self._targets_of(module.__name__):
-            unmet = versions.unmet_requirement(target.requires, target.library, target.feature)
+            unmet = unmet_requirement(target.requires, target.library, target.feature)
             try:
                 wrapper = _resolve_wrapper(target.wrapper) if unmet is None else None
             except Exception as exc:

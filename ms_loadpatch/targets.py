@@ -34,7 +34,7 @@ class Target:
     # "function": wrapt.FunctionWrapper(original, wrapper); "proxy": `wrapper` is a
     # factory returning a wrapt.ObjectProxy of the original (for a non-callable)
     kind: str = "function"
-    # the optional mindspore feature (versions.FEATURES) this row exists for:
+    # the optional mindspore feature (api_verdict.FEATURES) this row exists for:
     # "not needed" on a mindspore without it
     feature: str | None = None
     # an entry point users call (listed first in status), or an internal of the loading path
@@ -49,7 +49,7 @@ class Target:
     @property
     def library(self) -> str:
         """The mindone library whose loading path this row belongs to: its
-        targets are gated together (versions.Techniques.refusal_for)."""
+        targets are gated together (api_verdict.ApiVerdict.refusal_for)."""
         return self.owner or self.module.split(".")[1]
 
 
@@ -61,7 +61,7 @@ TARGETS: tuple[Target, ...] = (
     Target(_TF, "ModuleUtilsMixin.float", f"{_GLUE}:float_", public=True),
     Target(_TF, "ModuleUtilsMixin.to", f"{_TF_GLUE}:to", public=True),
     Target(_TF, "load_state_dict", f"{_TF_GLUE}:load_state_dict", public=True),
-    # nn.Cell.to (a mindspore feature, versions.FEATURES), which models resolve before ModuleUtilsMixin.to
+    # nn.Cell.to (a mindspore feature, api_verdict.FEATURES), which models resolve before ModuleUtilsMixin.to
     # (reached through modeling_utils' `nn`, so it is applied once mindone is imported);
     # it acts only inside an accelerated transformers load
     Target(_TF, "nn.Cell.to", f"{_TF_GLUE}:cell_to", feature="cell_to"),

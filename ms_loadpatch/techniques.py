@@ -2,7 +2,7 @@
 `ms-loadpatch status`, the switch (MS_LOADPATCH_TECHNIQUES_OFF) and the
 version matrix read.
 
-Kinds: "api" (how tensors are made, assigned and cast: versions.Techniques,
+Kinds: "api" (how tensors are made, assigned and cast: api_verdict.py,
 probed per mindspore), "cast-on-read" (strategy/castread.py), "cell-passes"
 (strategy/cellpasses.py), "construction" (strategy/building/) and
 "repeated-code" (fingerprints.py: mindone code the glue repeats). Above the
@@ -18,7 +18,9 @@ from . import versions
 
 
 def _api_rows() -> list[dict]:
-    return versions.techniques().rows()
+    from .api_verdict import api_verdict
+
+    return api_verdict().rows()
 
 
 def _cast_on_read_rows() -> list[dict]:

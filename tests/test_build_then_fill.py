@@ -17,6 +17,7 @@ import pytest
 from _helpers import tiny_unet, tiny_vae
 import mindone.diffusers as md
 import ms_loadpatch
+from ms_loadpatch.api_verdict import api_verdict
 from ms_loadpatch.testing import assert_same_model, load_both
 
 pytestmark = pytest.mark.usefixtures("cpu_kernels", "plugin_enabled")
@@ -144,9 +145,8 @@ def test_copies_into_lazy_parameters_without_the_fast_copy(unets, monkeypatch):
 @pytest.mark.matrix
 def test_lazy_assign_probe_passes():
     """The fast copy into a lazy parameter is what assign_value leaves, on every mindspore of the range."""
-    from ms_loadpatch import versions
 
-    assert versions.techniques().lazy_assign_problem is None
+    assert api_verdict().lazy_assign_problem is None
 
 
 def test_zeroed_blocks_and_random_embedding(unets):
@@ -250,11 +250,10 @@ def test_ldm_file_converts_to_the_saved_vae(single_files):
 def test_single_file_reads_into_the_model(single_files, monkeypatch):
     """The patched read gives mindone Parameters over the read buffer; the
     model's parameters alias them, so no checkpoint copy is made."""
-    from ms_loadpatch import versions
     from ms_loadpatch.glue import diffusers as glue
 
     root, _ = single_files
-    assert versions.techniques().adoption_problem is None
+    assert api_verdict().adoption_problem is None
     adopted = {}
 
     def spy(array, name):

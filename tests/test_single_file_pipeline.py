@@ -14,6 +14,7 @@ import pytest
 from _helpers import tiny_unet, tiny_vae
 import mindone.diffusers as md
 import ms_loadpatch
+from ms_loadpatch.api_verdict import api_verdict
 from ms_loadpatch.testing import assert_same_model, load_both
 from ms_loadpatch.tools import original_format
 
@@ -85,11 +86,10 @@ def test_pipeline_file_read_into_the_components(ldm_pipeline, monkeypatch):
     """The pipeline reads its file once: every tensor becomes a Parameter
     over its own read buffer, and the UNet's parameters alias them (what
     the pipeline does not keep, here the text encoder's, is freed)."""
-    from ms_loadpatch import versions
     from ms_loadpatch.glue import diffusers as glue
 
     root, unet, text_encoder = ldm_pipeline
-    assert versions.techniques().adoption_problem is None
+    assert api_verdict().adoption_problem is None
     adopted = {}
     real = glue.adopted_parameter
     monkeypatch.setattr(glue, "adopted_parameter", lambda array, name: adopted.setdefault(name, real(array, name)))

@@ -13,6 +13,7 @@ from packaging.version import Version
 
 from _helpers import report_of, run_python
 from ms_loadpatch import api_probes, core, versions
+from ms_loadpatch.api_verdict import api_verdict
 from ms_loadpatch.targets import TARGETS
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -21,9 +22,9 @@ TF_FROM_PRETRAINED = "mindone.transformers.modeling_utils:PreTrainedModel.from_p
 
 @pytest.fixture
 def fresh_techniques():
-    versions.techniques.cache_clear()
+    api_verdict.cache_clear()
     yield
-    versions.techniques.cache_clear()
+    api_verdict.cache_clear()
 
 
 def _fake_versions(monkeypatch, fake):
@@ -107,7 +108,7 @@ def test_overridden_version_still_runs_every_probe(monkeypatch, fresh_techniques
     monkeypatch.setenv(versions.ALLOW_UNTESTED_ENV_VAR, "1")
     _fake_versions(monkeypatch, {"mindspore": "2.11.0"})
     _drop_no_init(monkeypatch)
-    versions.techniques.cache_clear()
+    api_verdict.cache_clear()
     patcher = core._Patcher(TARGETS)
     try:
         assert patcher.enable() is True
@@ -162,7 +163,7 @@ def test_all_features_present_by_default(fresh_techniques):
 
     if not versions.check().ok:
         pytest.skip("refused by the gate")
-    chosen = versions.techniques()
+    chosen = api_verdict()
     assert chosen.problems == () and chosen.refusal is None
     assert chosen.mindspore == ms.__version__
     assert (chosen.assign, chosen.cast, chosen.construct) == (
@@ -225,7 +226,7 @@ def _bfloat16_maps_elsewhere(monkeypatch):
 ])
 def test_unusable_mindspore_is_reported(monkeypatch, fresh_techniques, simulate, expected):
     simulate(monkeypatch)
-    chosen = versions.techniques()
+    chosen = api_verdict()
     assert any(item.startswith(expected) for item in chosen.problems), chosen.problems
     assert chosen.refusal.startswith(f"mindspore {chosen.mindspore} cannot take the fast path: ")
     for library in versions.LIBRARIES:
@@ -268,7 +269,7 @@ def test_mindspore_shadowing_a_mixin_method_skips_transformers_only(monkeypatch,
     """Per-library gate: a problem of mindone.transformers' path leaves
     diffusers accelerated; the probe's finding is typed (technique, libraries, reason)."""
     simulate(monkeypatch)
-    chosen = versions.techniques()
+    chosen = api_verdict()
     assert chosen.problems == ()
     assert expected in chosen.refusal_for("transformers")
     assert chosen.refusal_for("diffusers") is None
@@ -284,7 +285,7 @@ def test_a_failed_draws_probe_is_named_by_technique(monkeypatch, fresh_technique
     from ms_loadpatch.strategy.building import draws
 
     monkeypatch.setattr(draws, "probe", lambda: "seeds went elsewhere")
-    chosen = versions.techniques()
+    chosen = api_verdict()
     assert chosen.draws_problem is not None and "seeds went elsewhere" in chosen.draws_problem
     assert chosen.problem_of(api_probes.CELL_TO) is None
     assert "seeds went elsewhere" in chosen.refusal_for("transformers") and chosen.refusal_for("diffusers") is None
@@ -300,7 +301,7 @@ def test_transformers_problem_skips_transformers_targets_only(monkeypatch, fresh
     import mindone.transformers.modeling_utils  # noqa: F401
 
     _cell_gets_half(monkeypatch)
-    versions.techniques.cache_clear()
+    api_verdict.cache_clear()
     patcher = core._Patcher(TARGETS)
     try:
         assert patcher.enable() is True
@@ -364,7 +365,7 @@ def test_unusable_mindspore_skips_every_target(monkeypatch, fresh_techniques, ca
 
     before = mu.PreTrainedModel.__dict__["from_pretrained"]  # as the process-wide patcher left it
     _drop_no_init(monkeypatch)
-    versions.techniques.cache_clear()  # importing mindone above probed the complete mindspore
+    api_verdict.cache_clear()  # importing mindone above probed the complete mindspore
     patcher = core._Patcher(TARGETS)  # a private instance: the process-wide one stays as it is
     with caplog.at_level(logging.WARNING, logger="ms_loadpatch"):
         assert patcher.enable() is True  # versions are fine; the targets cannot be applied
@@ -395,7 +396,7 @@ def test_installed_mindspore_gets_the_fast_path(fresh_techniques):
     from mindspore.nn.utils import no_init_parameters
 
     assert gate.versions["mindspore"] == ms.__version__
-    chosen = versions.techniques()
+    chosen = api_verdict()
     assert chosen.problems == (), chosen.problems
     assert chosen.library_problems == (), chosen.library_problems  # every probe (cell_to, fill) passes here
     # the behaviour the strategy relies on, by value: set_data on a lazy

@@ -27,7 +27,8 @@ import threading
 
 from mindspore import nn
 
-from .. import core, versions
+from .. import core
+from ..api_verdict import api_verdict
 from ..strategy import context
 from ..strategy.building.construction import built_with_draws
 from ..strategy.building.lazy import CONSTRUCTION_LOCK
@@ -46,7 +47,7 @@ def adopting_checkpoint() -> bool:
     the adoption probe passed. mindone copies each into the model's
     parameters by set_data, which aliases it: the read tensor is the model's."""
     inside = getattr(_inside, "call", None) == "from_single_file" or getattr(_inside, "pipeline_file", False)
-    return inside and versions.techniques().adoption_problem is None
+    return inside and api_verdict().adoption_problem is None
 
 
 def adopting_pipeline_file(wrapped, instance, args, kwargs):
@@ -69,7 +70,7 @@ def _source_parameters(args, kwargs, into=None) -> set:
 
 
 def _fast_assign() -> bool:
-    return versions.techniques().lazy_assign_problem is None
+    return api_verdict().lazy_assign_problem is None
 
 
 def built_then_filled(wrapped, instance, args, kwargs):
@@ -91,7 +92,7 @@ def _accelerated(wrapped, model_class, args, kwargs, into=None):
         return built_with_draws(call, foreign=_source_parameters(args, kwargs, into), fast_assign=_fast_assign(),
                                 into=into)[0]
     with core.accelerated_load() as allowed:
-        reason = "ms_loadpatch is being disabled" if not allowed else versions.techniques().draws_problem
+        reason = "ms_loadpatch is being disabled" if not allowed else api_verdict().draws_problem
         if reason is not None:
             logger.debug("ms_loadpatch: %s.%s unpatched: %s", model_class, wrapped.__name__, reason)
             with CONSTRUCTION_LOCK:

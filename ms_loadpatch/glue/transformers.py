@@ -123,7 +123,7 @@ def to(wrapped, instance, args, kwargs):
 
 
 def cell_to(wrapped, instance, args, kwargs):
-    """nn.Cell.to (where mindspore has it: versions.FEATURES), which a model resolves before the
+    """nn.Cell.to (where mindspore has it: api_verdict.FEATURES), which a model resolves before the
     ModuleUtilsMixin.to above. mindone's from_pretrained calls `model.to(dtype)`
     right after building it: inside an accelerated load, on a lazily built
     model, Cell.to's own result without reading (and crashing on) the lazy
