@@ -55,6 +55,14 @@ class Write:
         self.via_data, self.index, self.kind, self.args = via_data, index, kind, args
 
 
+class RecordedWrites(list):
+    """The writes recorded on one lazy parameter, in order (a ledger's
+    `writes` entry); replayed onto it once it is filled."""
+
+    def replay_onto(self, param) -> None:
+        replay(param, self)
+
+
 def replay(param, writes) -> None:
     """Run `writes` on the filled `param`, in order, as the code wrote them."""
     from mindspore.ops.function import random_func
@@ -237,7 +245,7 @@ class Recorder:
             return False
         entry = self.ledger.writes.get(id(tensor))
         if entry is None:
-            entry = self.ledger.writes[id(tensor)] = (tensor, [])
+            entry = self.ledger.writes[id(tensor)] = (tensor, RecordedWrites())
         entry[1].append(write)
         self.counts.deferred += 1
         return True

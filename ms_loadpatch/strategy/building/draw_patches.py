@@ -88,9 +88,7 @@ def _install_filling():
             entry = ledger.writes.pop(id(self.init_mode), None)
         filled = parameter_init_data(self, *args, **kwargs)
         if entry is not None:
-            from .deferred_writes import replay
-
-            replay(filled, entry[1])
+            entry[1].replay_onto(filled)  # deferred_writes.RecordedWrites
         return filled
 
     patched_init_data.__wrapped__ = init_data

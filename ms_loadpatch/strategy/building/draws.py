@@ -60,7 +60,7 @@ class Ledger:
         self.reached_draw: set = set()
         # while a list: (parameter, initializer tensor) of every init_mode set in the accounting thread
         self.assignments: list | None = None
-        # id(initializer tensor) -> (tensor, [deferred_writes.Write]): writes to replay when it is filled
+        # id(initializer tensor) -> (tensor, deferred_writes.RecordedWrites): writes to replay when it is filled
         self.writes: dict[int, tuple] = {}
         # initializer tensors whose draw is owed, in order: taken together by take_owed_draws()
         self.owed: list = []
