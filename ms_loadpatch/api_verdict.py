@@ -37,7 +37,7 @@ def unmet_requirement(requires: dict[str, str], library: str | None = None, feat
     when targets are applied), it must have every feature `library`'s
     techniques use: a mindspore that lacks one gets mindone's own loading path
     for that library, not a guess. A target tied to a `feature` of mindspore
-    is NOT_NEEDED where that mindspore does not have it."""
+    is not needed (`Unmet.needed` False) where that mindspore does not have it."""
     for distribution, specifier in requires.items():
         version = versions.installed_version(distribution)
         if version is None:

@@ -12,7 +12,6 @@ Checked once per process, at the first use after its module is imported.
 from __future__ import annotations
 
 import hashlib
-import importlib
 import inspect
 import sys
 import threading
@@ -52,7 +51,7 @@ def source_hash(function) -> str:
 
 
 def _original(module_name, qualname):
-    owner = importlib.import_module(module_name)
+    owner = sys.modules[module_name]  # imported already: no import (nor its lock) under _lock
     *path, name = qualname.split(".")
     for part in path:
         owner = getattr(owner, part)
