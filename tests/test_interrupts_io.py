@@ -203,7 +203,7 @@ def _cold_plan(patch, directory):
     patch.setattr(threaded_read, "COLD_SPLIT_FROM", 0)
     patch.setattr(threaded_read, "_ALIGN", 64)
     plans, real_plan = [], prefetch.read_plan
-    patch.setattr(prefetch, "read_plan", lambda *args: plans.append(real_plan(*args)) or plans[-1])
+    patch.setattr(prefetch, "read_plan", lambda *args, **kwargs: plans.append(real_plan(*args, **kwargs)) or plans[-1])
     return plans
 
 
