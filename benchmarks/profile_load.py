@@ -33,6 +33,7 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--case", default="moe")
     parser.add_argument("--top", type=int, default=15)
+    parser.add_argument("--save", metavar="FILE", help="also write the profile (pstats) to FILE")
     args = parser.parse_args(argv)
 
     from bench_ab import checkpoint
@@ -60,6 +61,8 @@ def main(argv=None) -> int:
     print("report: " + report.summary())
 
     stats = pstats.Stats(profile)
+    if args.save:
+        stats.dump_stats(args.save)
     by_module: dict[str, float] = {}
     for (filename, _, _), (_, _, tottime, _, _) in stats.stats.items():
         marker = os.sep + "ms_loadpatch" + os.sep

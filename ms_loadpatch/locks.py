@@ -21,6 +21,7 @@ LOCK_ORDER = (
     ("core", "_PATCHER._lock"),
     ("strategy.building.gc_pause", "_lock"),
     ("strategy.building.draws", "_verify_lock"),
+    ("strategy.building.batched_draws", "_check_lock"),
     ("strategy.building.deferred_writes", "_verify_lock"),
     ("strategy.building.draw_patches", "_install_lock"),
     ("strategy.cellpasses", "_lock"),

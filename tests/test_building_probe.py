@@ -13,7 +13,7 @@ from mindspore import nn
 from _building_helpers import techniques_off
 from _building_helpers import checkpoints  # noqa: F401  (a fixture)
 from ms_loadpatch.strategy import building, context, switch
-from ms_loadpatch.strategy.building import deferred_writes, draws, init_pass, probe
+from ms_loadpatch.strategy.building import batched_draws, deferred_writes, init_pass, probe
 from ms_loadpatch.strategy.building.lazy import CONSTRUCTION_LOCK
 from ms_loadpatch.testing import assert_same_model, load_both
 
@@ -219,7 +219,7 @@ def test_failed_probe_skips_and_load_stays_identical(checkpoints, monkeypatch):
     monkeypatch.setattr(building, "_probe_results", failing)
     monkeypatch.setattr(deferred_writes, "_verified",
                         (frozenset(), {kind: "simulated probe failure" for kind in deferred_writes.KINDS}))
-    monkeypatch.setattr(draws, "_batched", ["simulated probe failure"])
+    monkeypatch.setattr(batched_draws, "_batched", ["simulated probe failure", False])
     rows = building.technique_status()
     assert {r["state"] for r in rows} == {"skipped"} and all("simulated" in r["reason"] for r in rows)
     installs = []

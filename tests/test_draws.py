@@ -19,7 +19,7 @@ from safetensors.numpy import load_file, save_file
 from _helpers import tiny_qwen2_config
 import mindone.transformers as mt
 from ms_loadpatch.strategy import building
-from ms_loadpatch.strategy.building import draws, init_pass
+from ms_loadpatch.strategy.building import batched_draws, draws, init_pass
 from ms_loadpatch.strategy.building.lazy import lazy_parameters
 from ms_loadpatch.strategy.context import last_report
 from ms_loadpatch.testing import assert_same_model, cpu_kernel_fallbacks, load_both
@@ -327,12 +327,66 @@ def test_batched_draws_are_checked_and_a_changed_numpy_seed_is_refused(monkeypat
     `_numpy_seed` that is not the known one-line draw turns batching off."""
     from mindspore.common import initializer as module
 
-    assert draws.batched_draws_problem() is None
-    monkeypatch.setattr(draws, "_batched", [])
+    assert batched_draws.problem() is None
+    monkeypatch.setattr(batched_draws, "_batched", [])
     monkeypatch.setattr(module, "_numpy_seed", lambda: np.random.randint(low=1, high=(1 << 62), dtype=np.int64))
-    assert "_numpy_seed is not" in draws.batched_draws_problem()
+    assert "_numpy_seed is not" in batched_draws.problem()
     row = init_pass.batched_draws_row()
     assert row["state"] == "skipped" and "_numpy_seed" in row["reason"]
+
+
+@pytest.mark.matrix  # numpy's MT19937 words and legacy randint, per installed numpy
+@pytest.mark.parametrize("n", [1, 3, 311, 1000])
+def test_seeds_from_the_global_words_are_randints_draws(n):
+    """Owed draws made from the global MT19937's words give the numbers,
+    types and state of n `_numpy_seed` calls, across refills, and from a
+    state whose next word pair lies above the range (randint draws again)."""
+    assert batched_draws.words_usable()
+    outer = np.random.get_state()
+    try:
+        for start in (lambda: np.random.seed(n), lambda: np.random.set_state(batched_draws.rejecting_state())):
+            start()
+            singles = [np.random.randint(low=1, high=1 << 63, dtype=np.int64) for _ in range(n)]
+            after = np.random.get_state()
+            start()
+            seeds = batched_draws.seeds_from_words(batched_draws._global_mt19937(), n)
+            assert seeds == singles and {type(v) for v in seeds} == {np.int64}
+            assert batched_draws.same_numpy_state(after, np.random.get_state())
+        np.random.set_state(batched_draws.rejecting_state())  # the crafted pair is the first value's, above the range
+        assert batched_draws._global_mt19937().random_raw(2).tolist() == [0x7FFFFFFF, 0xFFFFFFFF]
+    finally:
+        np.random.set_state(outer)
+
+
+def test_owed_draws_take_randint_when_the_words_are_not_usable(monkeypatch):
+    """A failed words check (or a global generator that is not MT19937)
+    leaves batching on with one randint: the same seeds and state either way."""
+
+    def owed_seeds():
+        ledger = draws.Ledger()
+        made = [initializer(Normal(0.1), (2, 3), ms.float32) for _ in range(5)]
+        np.random.seed(11)
+        with draws.accounting(ledger):
+            ledger.take(made[0])
+            with draws.owing():
+                for tensor in made[1:]:
+                    ledger.take(tensor)
+        return [ledger.seeds[id(t)][1] for t in made], np.random.get_state()
+
+    words = owed_seeds()
+    taken = []
+    monkeypatch.setattr(batched_draws, "seeds_from_words", lambda generator, n: taken.append(n) or [0] * n)
+    monkeypatch.setattr(batched_draws, "_batched", [])
+    assert batched_draws.problem() is None and not batched_draws.words_usable()
+    assert "the words give other numbers" in batched_draws._check_raw_words()
+    randint = owed_seeds()
+    assert taken and words[0] == randint[0] and batched_draws.same_numpy_state(words[1], randint[1])
+    monkeypatch.setattr(batched_draws, "_batched", [None, True])
+    monkeypatch.setattr(batched_draws, "_global_mt19937", lambda: None)  # e.g. np.random.set_bit_generator(PCG64())
+    taken.clear()
+    other = owed_seeds()
+    assert not taken and other[0] == words[0]
+    assert [type(v) for v in words[0]] == [np.int64] * 5
 
 
 @pytest.fixture(scope="module")
@@ -394,6 +448,6 @@ def test_owed_draws_come_before_a_draw_taken_at_once():
             assert not ledger.owed
         return [int(ledger.seeds[id(t)][1]) for t in made], np.random.get_state()[1].copy()
 
-    assert draws.batched_draws_problem() is None
+    assert batched_draws.problem() is None
     (owed, owed_state), (single, single_state) = seeds(True), seeds(False)
     assert owed == single and np.array_equal(owed_state, single_state)

@@ -32,6 +32,7 @@ import threading
 
 import numpy as np
 
+from . import batched_draws
 from .draw_patches import ACCOUNTING as _ACCOUNTING
 from .draw_patches import FILLING as _FILLING
 from .draw_patches import SeedTaken as _SeedTaken
@@ -147,16 +148,15 @@ class Ledger:
 
     def batching(self) -> bool:
         if self._batching is None:
-            self._batching = batching_allowed()
+            self._batching = batched_draws.allowed()
         return self._batching
 
     def take_owed_draws(self) -> None:
         """The owed draws, in the order owed, as one batch: the same numbers
-        and the same numpy state as one `_numpy_seed()` each (batched_draws_problem)."""
+        and the same numpy state as one `_numpy_seed()` each (batched_draws.problem)."""
         owed, self.owed = self.owed, []
         if owed:
-            seeds = np.random.randint(low=1, high=_SEED_HIGH, dtype=np.int64, size=len(owed))
-            for tensor, seed in zip(owed, seeds):
+            for tensor, seed in zip(owed, batched_draws.take(len(owed))):
                 self.seeds[id(tensor)] = (tensor, seed)
             self.draws += len(owed)
 
@@ -193,12 +193,6 @@ def owing():
         ledger.take_owed_draws()
 
 
-def batching_allowed() -> bool:
-    from .. import switch
-
-    return not switch.is_off(BATCHED_DRAWS) and batched_draws_problem() is None
-
-
 @contextlib.contextmanager
 def suspended():
     """No accounting in this thread (objects the plain build does not make: probes, scratch parameters)."""
@@ -230,56 +224,6 @@ class _GiveBackOnly:
 
     def take(self, tensor) -> None:
         pass
-
-
-# -- n draws in one call (once per process)
-
-_SEED_HIGH = 1 << 63
-BATCHED_DRAWS = "batched-draws"  # MS_LOADPATCH_TECHNIQUES_OFF name: every draw taken on its own
-_batched: list = []  # [problem or None], once checked
-
-
-def same_numpy_state(a, b) -> bool:
-    """Two `RandomState.get_state()` tuples are the same state."""
-    return a[0] == b[0] and np.array_equal(a[1], b[1]) and a[2:] == b[2:]
-
-
-def _numpy_seed_as_known():
-    return np.random.randint(low=1, high=(1 << 63), dtype=np.int64)
-
-
-def batched_draws_problem() -> str | None:
-    """None when mindspore's `_numpy_seed` is the one-line draw this module
-    knows and, on this numpy, one randint of size n gives the same numbers
-    (type included) and leaves the same RandomState as n calls of it."""
-    if not _batched:
-        with _verify_lock:
-            if not _batched:
-                try:
-                    _batched.append(_check_batched_draws())
-                except Exception as exc:  # noqa: BLE001 - an internal it relies on changed
-                    _batched.append(f"{type(exc).__name__}: {exc}")
-    return _batched[0]
-
-
-def _check_batched_draws() -> str | None:
-    from mindspore.common import initializer as module
-
-    original = _originals.get("numpy_seed") or module._numpy_seed  # this module's stand-in while installed
-    known, theirs = _numpy_seed_as_known.__code__, getattr(original, "__code__", None)
-    if module.np is not np or theirs is None or (theirs.co_code, theirs.co_consts, theirs.co_names) != (
-            known.co_code, known.co_consts, known.co_names):
-        return "mindspore's initializer._numpy_seed is not np.random.randint(low=1, high=1 << 63, dtype=np.int64)"
-    for seed in (1234,):
-        for n in (1, 2, 17, 700):  # 700 draws refill MT19937's 624 words twice
-            one_by_one, batched = np.random.RandomState(seed), np.random.RandomState(seed)
-            singles = [one_by_one.randint(low=1, high=_SEED_HIGH, dtype=np.int64) for _ in range(n)]
-            batch = batched.randint(low=1, high=_SEED_HIGH, dtype=np.int64, size=n)
-            if [type(v) for v in singles] != [type(v) for v in batch] or list(batch) != singles:
-                return f"numpy {np.__version__}: randint(size={n}) gives other numbers than {n} calls"
-            if not same_numpy_state(one_by_one.get_state(), batched.get_state()):
-                return f"numpy {np.__version__}: randint(size={n}) leaves another state than {n} calls"
-    return None
 
 
 # -- which classes draw as the tables say, on this mindspore (once per process)

@@ -29,9 +29,9 @@ import threading
 import numpy as np
 
 from .. import switch
-from . import deferred_writes, draws
+from . import batched_draws, deferred_writes
 
-BATCHED_DRAWS = draws.BATCHED_DRAWS
+BATCHED_DRAWS = batched_draws.NAME
 
 _APPLY_METHODS = ("apply", "cells", "name_cells")
 
@@ -200,7 +200,7 @@ class _Replays:
             if not all(_plain_value(v) for _, v in state):
                 return None
             effect.append((attr, type(init), state, tensor.shape, tensor.dtype, drew))
-        same_draws = draws.same_numpy_state(replayed.get_state(), np.random.get_state())
+        same_draws = batched_draws.same_numpy_state(replayed.get_state(), np.random.get_state())
         if len({item[0] for item in effect}) != len(effect) or not same_draws:
             return None
         return effect
@@ -379,12 +379,15 @@ def batched_draws_row() -> dict:
     """status()'s row for replays' draws taken in batches."""
     from .. import verdict
 
-    description = ("the numpy draws of sibling-clone copies and of init-pass calls replayed on them taken as one "
-                   "randint per copy or run of replays (checked: mindspore's _numpy_seed, numpy's batched randint)")
+    description = ("the numpy draws of sibling-clone copies and of init-pass calls replayed on them taken in one "
+                   "call per copy or run of replays (checked: mindspore's _numpy_seed, numpy's batched randint, "
+                   "the same numbers made from the global MT19937's words)")
     if switch.is_off(BATCHED_DRAWS):
         return verdict.row_off(BATCHED_DRAWS, None, description)
-    return verdict.row(BATCHED_DRAWS, None, description, draws.batched_draws_problem(),
-                       passed="probe passed: one randint of size n equals n of mindspore's draws here")
+    words = ("; made from the global MT19937's words" if batched_draws.words_usable()
+             else "; one randint each (the words check failed)")
+    return verdict.row(BATCHED_DRAWS, None, description, batched_draws.problem(),
+                       passed="probe passed: one randint of size n equals n of mindspore's draws here" + words)
 
 
 def leftovers() -> list[str]:

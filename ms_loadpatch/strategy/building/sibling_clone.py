@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 import time
 
-from . import draws, window
+from . import batched_draws, draws, window
 from .recipes import SCALARS, RecipeWriter, Unclonable, copy_initializer, same_recipe
 from .state import model_state
 from .technique import InitHooks, ProbeFailed, Technique, cell_registration
@@ -240,7 +240,7 @@ class SiblingClone(Technique):
             return ("never", f"copying failed: {type(exc).__name__}: {exc}", snapshot)
         finally:
             # a copy that draws from numpy other than through the ledger takes its draws one by one
-            draws_elsewhere = not draws.same_numpy_state(numpy_state, self.numpy.random.get_state())
+            draws_elsewhere = not batched_draws.same_numpy_state(numpy_state, self.numpy.random.get_state())
             if draws_elsewhere:
                 self.numpy.random.set_state(numpy_state)
         if not same:
