@@ -350,7 +350,7 @@ def test_seeds_from_the_global_words_are_randints_draws(n):
             after = np.random.get_state()
             start()
             seeds = batched_draws.seeds_from_words(batched_draws._global_mt19937(), n)
-            assert seeds == singles and {type(v) for v in seeds} == {np.int64}
+            assert seeds == singles
             assert batched_draws.same_numpy_state(after, np.random.get_state())
         np.random.set_state(batched_draws.rejecting_state())  # the crafted pair is the first value's, above the range
         assert batched_draws._global_mt19937().random_raw(2).tolist() == [0x7FFFFFFF, 0xFFFFFFFF]
@@ -371,7 +371,7 @@ def test_owed_draws_take_randint_when_the_words_are_not_usable(monkeypatch):
             with draws.owing():
                 for tensor in made[1:]:
                     ledger.take(tensor)
-        return [ledger.seeds[id(t)][1] for t in made], np.random.get_state()
+        return [int(ledger.seeds[id(t)][1]) for t in made], np.random.get_state()
 
     words = owed_seeds()
     taken = []
@@ -386,7 +386,32 @@ def test_owed_draws_take_randint_when_the_words_are_not_usable(monkeypatch):
     taken.clear()
     other = owed_seeds()
     assert not taken and other[0] == words[0]
-    assert [type(v) for v in words[0]] == [np.int64] * 5
+
+
+def test_a_seed_made_from_words_reaches_the_initializer_as_randint_gives_it(monkeypatch):
+    """Owed seeds are kept as Python ints; the initializer filling a lazy
+    tensor gets its seed back as the np.int64 `_numpy_seed` returns."""
+    from mindspore.common import initializer as module
+
+    assert batched_draws.words_usable()
+    got = []
+    random_normal = module._random_normal
+    monkeypatch.setattr(module, "_random_normal", lambda seed, *a: got.append(seed) or random_normal(seed, *a))
+    ledger = draws.Ledger()
+    made = [initializer(Normal(0.1), (2, 3), ms.float32) for _ in range(3)]
+    np.random.seed(12)
+    with draws.accounting(ledger):
+        ledger.take(made[0])
+        with draws.owing():
+            ledger.take(made[1])
+            ledger.take(made[2])
+    assert type(ledger.seeds[id(made[2])][1]) is int  # made from the words
+    with draws.giving_back(ledger):
+        filled = made[2].init_data().asnumpy()
+    np.random.seed(12)
+    plain = [initializer(Normal(0.1), (2, 3), ms.float32).init_data().asnumpy() for _ in range(3)]
+    assert [type(seed) for seed in got] == [np.int64] * 4 and got[0] == got[3]
+    assert np.array_equal(filled, plain[2])
 
 
 @pytest.fixture(scope="module")

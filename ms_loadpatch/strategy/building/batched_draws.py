@@ -32,14 +32,15 @@ def seeds_from_words(generator, n: int) -> list:
     """n of `randint(low=1, high=1 << 63, dtype=np.int64)` from MT19937's
     32-bit words, as numpy's legacy masked rejection makes them: two words a
     value (the first high), masked to 63 bits, drawn again when above the
-    range; plus low."""
+    range; plus low. Python ints (an np.int64 each costs as much as the
+    draw): a seed given back to an initializer is made np.int64 there."""
     seeds: list = []
     while len(seeds) < n:
         words = generator.random_raw(2 * (n - len(seeds))).tolist()
         for high, low in zip(words[0::2], words[1::2]):
             value = ((high << 32) | low) & _MASK
             if value <= _RANGE:
-                seeds.append(np.int64(value + 1))
+                seeds.append(value + 1)
     return seeds
 
 
@@ -112,7 +113,7 @@ def _check_raw_words() -> str | None:
             if generator is None:
                 return "numpy's global RandomState does not use MT19937"
             words = seeds_from_words(generator, n)
-            if [type(v) for v in words] != [type(v) for v in singles] or words != singles:
+            if [type(np.int64(v)) for v in words] != [type(v) for v in singles] or words != singles:
                 return f"numpy {np.__version__}: the words give other numbers than {n} randint calls"
             if not same_numpy_state(after, np.random.get_state()):
                 return f"numpy {np.__version__}: the words leave another state than {n} randint calls"

@@ -57,7 +57,7 @@ def _install_filling():
         replay = getattr(local, "replay", None)
         if replay is not None:
             local.replay = None
-            return replay
+            return np.int64(replay) if type(replay) is int else replay  # batched_draws' words are ints
         seed = numpy_seed()
         if getattr(local, "capturing", False):
             local.captured = seed
