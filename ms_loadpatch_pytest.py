@@ -75,7 +75,9 @@ def assert_loads_identically(load, model_class=None, *, skip_values=(), cpu_fall
     if problems:
         shown = "\n  ".join(problems[:20])
         more = f"\n  ... and {len(problems) - 20} more" if len(problems) > 20 else ""
-        raise AssertionError(f"patched load differs from unpatched load ({len(problems)} difference(s)):\n  {shown}{more}")
+        raise AssertionError(
+            f"patched load differs from unpatched load ({len(problems)} difference(s)):\n  {shown}{more}"
+        )
     return reference, accelerated
 
 

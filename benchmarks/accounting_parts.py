@@ -61,8 +61,13 @@ def main(argv=None) -> int:
     totals: dict[str, float] = {}
     passes, in_pass = [], []
     _timed(draws.Ledger, "take", totals, "build draws (Ledger.take)")
-    _timed(draws.Ledger, "take_owed_draws", totals, "owed draws", lambda: " in the init pass" if in_pass else
-           " of the build")
+    _timed(
+        draws.Ledger,
+        "take_owed_draws",
+        totals,
+        "owed draws",
+        lambda: " in the init pass" if in_pass else " of the build",
+    )
     _timed(init_pass._Replays, "_replay", totals, "replays")
     run = init_pass.run
 
@@ -83,12 +88,17 @@ def main(argv=None) -> int:
         seconds = time.perf_counter() - start
     report = ms_loadpatch.last_report()
     print(f"{args.case}: ms_loadpatch from {os.path.dirname(ms_loadpatch.__file__)}")
-    print(f"  load {seconds:.3f} s; init-pass phase {report.phases.get('init-pass', 0.0):.3f} s "
-          f"(passes {', '.join(f'{p:.3f}' for p in passes)} s)")
+    print(
+        f"  load {seconds:.3f} s; init-pass phase {report.phases.get('init-pass', 0.0):.3f} s "
+        f"(passes {', '.join(f'{p:.3f}' for p in passes)} s)"
+    )
     for key, value in totals.items():
         print(f"  {key}: {value:.3f} s")
-    accounting = (report.phases.get("init-pass", 0.0) + totals.get("build draws (Ledger.take)", 0.0)
-                  + totals.get("owed draws of the build", 0.0))
+    accounting = (
+        report.phases.get("init-pass", 0.0)
+        + totals.get("build draws (Ledger.take)", 0.0)
+        + totals.get("owed draws of the build", 0.0)
+    )
     print(f"  init pass + the build's draws: {accounting:.3f} s, {accounting / seconds:.1%} of the load")
     return 0
 

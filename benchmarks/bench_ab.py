@@ -77,8 +77,10 @@ def main(argv=None) -> int:
                 reports[side] = result.get("report") or {}
                 construct[side].append(reports[side].get("phases", {}).get("construct"))
         base, this = (statistics.median(seconds[side]) for side in ("baseline", "this tree"))
-        print(f"{case} ({args.memory}, {args.repeats} runs each, medians): baseline {base:.3f} s, "
-              f"this tree {this:.3f} s, difference {this - base:+.3f} s ({(this - base) / base:+.1%})")
+        print(
+            f"{case} ({args.memory}, {args.repeats} runs each, medians): baseline {base:.3f} s, "
+            f"this tree {this:.3f} s, difference {this - base:+.3f} s ({(this - base) / base:+.1%})"
+        )
         if args.unpatched:
             plain = statistics.median(seconds["unpatched"])
             print(f"  unpatched {plain:.3f} s: baseline {plain / base:.2f}x, this tree {plain / this:.2f}x")

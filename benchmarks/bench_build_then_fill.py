@@ -33,18 +33,24 @@ import sys
 from common import script_result
 from ms_loadpatch.tools import bench
 
-UNET = {"block_out_channels": [192, 384, 768, 768], "cross_attention_dim": 768, "attention_head_dim": 8,
-        "layers_per_block": 2, "sample_size": 64, "norm_num_groups": 32}
+UNET = {
+    "block_out_channels": [192, 384, 768, 768],
+    "cross_attention_dim": 768,
+    "attention_head_dim": 8,
+    "layers_per_block": 2,
+    "sample_size": 64,
+    "norm_num_groups": 32,
+}
 
 CASES = {
     "controlnet": "md.ControlNetModel.from_unet(unet)",
     "sparse-controlnet": "md.SparseControlNetModel.from_unet(unet)",
     "motion": "md.UNetMotionModel.from_unet2d(unet)",
     "single-file": "md.UNet2DConditionModel.from_single_file(path + '/diffusion_pytorch_model.safetensors', "
-                   "config=path)",
+    "config=path)",
     "from-pretrained": "md.UNet2DConditionModel.from_pretrained(path)",
     "pipeline-single-file": "md.StableDiffusionPipeline.from_single_file(pipeline + '/sd-ldm.safetensors', "
-                            "config=pipeline, **NO_TEXT)",
+    "config=pipeline, **NO_TEXT)",
     "pipeline-from-pretrained": "md.StableDiffusionPipeline.from_pretrained(pipeline, **NO_TEXT)",
     "ip-adapter": "unet._load_ip_adapter_weights(adapter) or unet",
     "lora": "unet.load_lora_adapter(adapter, prefix=None) or unet",
@@ -107,8 +113,15 @@ print("RESULT " + json.dumps({"seconds": seconds, "parameters": sum(len(list(m.g
 """
 
 
-VAE = {"block_out_channels": [128, 256, 512, 512], "layers_per_block": 2, "latent_channels": 4, "norm_num_groups": 32,
-       "down_block_types": ["DownEncoderBlock2D"] * 4, "up_block_types": ["UpDecoderBlock2D"] * 4, "sample_size": 512}
+VAE = {
+    "block_out_channels": [128, 256, 512, 512],
+    "layers_per_block": 2,
+    "latent_channels": 4,
+    "norm_num_groups": 32,
+    "down_block_types": ["DownEncoderBlock2D"] * 4,
+    "up_block_types": ["UpDecoderBlock2D"] * 4,
+    "sample_size": 512,
+}
 
 
 def pipeline_directory(unet_path) -> str:
@@ -132,17 +145,34 @@ def pipeline_directory(unet_path) -> str:
     with open(os.path.join(target, "scheduler", "scheduler_config.json"), "w") as f:
         json.dump({"_class_name": "PNDMScheduler", "skip_prk_steps": True, "steps_offset": 1}, f)
     with open(os.path.join(target, "model_index.json"), "w") as f:
-        json.dump({"_class_name": "StableDiffusionPipeline", "unet": ["diffusers", "UNet2DConditionModel"],
-                   "vae": ["diffusers", "AutoencoderKL"], "scheduler": ["diffusers", "PNDMScheduler"],
-                   "text_encoder": [None, None], "tokenizer": [None, None], "safety_checker": [None, None],
-                   "feature_extractor": [None, None], "requires_safety_checker": False}, f)
+        json.dump(
+            {
+                "_class_name": "StableDiffusionPipeline",
+                "unet": ["diffusers", "UNet2DConditionModel"],
+                "vae": ["diffusers", "AutoencoderKL"],
+                "scheduler": ["diffusers", "PNDMScheduler"],
+                "text_encoder": [None, None],
+                "tokenizer": [None, None],
+                "safety_checker": [None, None],
+                "feature_extractor": [None, None],
+                "requires_safety_checker": False,
+            },
+            f,
+        )
     with open(os.path.join(unet_path, "config.json")) as f:
         unet_config = json.load(f)
-    ldm = {original_format.unet_key(k, unet_config): v
-           for k, v in load_file(os.path.join(unet_path, "diffusion_pytorch_model.safetensors")).items()}
-    ldm.update({"first_stage_model." + original_format.vae_key(k, len(VAE["up_block_types"])):
-                original_format.vae_value(k, v)
-                for k, v in load_file(os.path.join(vae_path, "diffusion_pytorch_model.safetensors")).items()})
+    ldm = {
+        original_format.unet_key(k, unet_config): v
+        for k, v in load_file(os.path.join(unet_path, "diffusion_pytorch_model.safetensors")).items()
+    }
+    ldm.update(
+        {
+            "first_stage_model." + original_format.vae_key(k, len(VAE["up_block_types"])): original_format.vae_value(
+                k, v
+            )
+            for k, v in load_file(os.path.join(vae_path, "diffusion_pytorch_model.safetensors")).items()
+        }
+    )
     save_file(ldm, os.path.join(target, "sd-ldm.safetensors.partial"))
     os.rename(os.path.join(target, "sd-ldm.safetensors.partial"), os.path.join(target, "sd-ldm.safetensors"))
     return target
@@ -163,8 +193,11 @@ def main(argv=None) -> int:
     pipeline = pipeline_directory(path) if "pipeline" in args.cases else ""
     largest = max(size, os.path.getsize(os.path.join(pipeline, "sd-ldm.safetensors")) if pipeline else 0)
     prime = 2 * largest + (256 << 20) if args.memory == "primed" else 0
-    print(f"source UNet {size / 1e9:.2f} GB" + (f", pipeline file {largest / 1e9:.2f} GB" if pipeline else "")
-          + f"; memory {args.memory}; {args.repeats} runs per mode, alternating")
+    print(
+        f"source UNet {size / 1e9:.2f} GB"
+        + (f", pipeline file {largest / 1e9:.2f} GB" if pipeline else "")
+        + f"; memory {args.memory}; {args.repeats} runs per mode, alternating"
+    )
     print(f"{'case':<20} {'unpatched s':>12} {'patched s':>10} {'ratio':>7}  runs (unpatched | patched)")
     patched = {}
     for case in args.cases.split(","):
@@ -176,9 +209,15 @@ def main(argv=None) -> int:
         patched[case] = medians["patched"]
         assert runs["patched"][0]["technique"], f"{case}: the patched call was not accelerated"
         shown = " | ".join(" ".join(f"{r['seconds']:.2f}" for r in runs[mode]) for mode in runs)
-        print(f"{case:<20} {medians['unpatched']:>12.3f} {medians['patched']:>10.3f} "
-              f"{medians['unpatched'] / medians['patched']:>6.1f}x  {shown}", flush=True)
-    for single, pretrained in (("single-file", "from-pretrained"), ("pipeline-single-file", "pipeline-from-pretrained")):
+        print(
+            f"{case:<20} {medians['unpatched']:>12.3f} {medians['patched']:>10.3f} "
+            f"{medians['unpatched'] / medians['patched']:>6.1f}x  {shown}",
+            flush=True,
+        )
+    for single, pretrained in (
+        ("single-file", "from-pretrained"),
+        ("pipeline-single-file", "pipeline-from-pretrained"),
+    ):
         if {single, pretrained} <= patched.keys():
             print(f"{single} / {pretrained}, both patched: {patched[single] / patched[pretrained]:.2f}")
     return 0

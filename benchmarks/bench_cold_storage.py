@@ -48,8 +48,10 @@ def checkpoint(case: str) -> tuple:
     if case == "bench":
         return bench.builtin_checkpoint(), None
     if case == "unet-single-file":
-        return (bench.cached_checkpoint("sd-unet-0.6x", "UNet2DConditionModel", UNET, library="diffusers"),
-                "diffusion_pytorch_model.safetensors")
+        return (
+            bench.cached_checkpoint("sd-unet-0.6x", "UNet2DConditionModel", UNET, library="diffusers"),
+            "diffusion_pytorch_model.safetensors",
+        )
     config = SIZES["full"]
     path = bench.cached_checkpoint("tf-full-qwen2", "Qwen2ForCausalLM", config["qwen2"], config["qwen2_shard"])
     if case == "qwen2":
@@ -67,10 +69,25 @@ def load_job(spec, mode, prime, env, ranks):
     with tempfile.TemporaryDirectory(prefix="ms-loadpatch-ranks-") as start_line:
         barrier = {"directory": start_line, "parties": ranks}
         with ThreadPoolExecutor(max_workers=ranks) as pool:
-            futures = [pool.submit(bench.measure_load, spec, mode, None, None, prime, barrier,
-                                   {"MS_ROLE": "MS_WORKER", "MS_WORKER_NUM": str(ranks), "RANK_ID": str(rank),
-                                    "MS_LOADPATCH_LOCAL_RANKS": str(ranks), **env})
-                       for rank in range(ranks)]
+            futures = [
+                pool.submit(
+                    bench.measure_load,
+                    spec,
+                    mode,
+                    None,
+                    None,
+                    prime,
+                    barrier,
+                    {
+                        "MS_ROLE": "MS_WORKER",
+                        "MS_WORKER_NUM": str(ranks),
+                        "RANK_ID": str(rank),
+                        "MS_LOADPATCH_LOCAL_RANKS": str(ranks),
+                        **env,
+                    },
+                )
+                for rank in range(ranks)
+            ]
             results = [f.result() for f in futures]
     return max(r["seconds"] for r in results), results[0]
 
@@ -91,10 +108,16 @@ def main(argv=None) -> int:
     parser.add_argument("--total-mb-s", type=float, default=200.0)
     parser.add_argument("--unpatched", action="store_true", help="also time an unpatched load each round")
     parser.add_argument("--ranks", type=int, default=1, help="ranks loading at once on this node")
-    parser.add_argument("--drop", action="store_true", help="also this tree with MS_LOADPATCH_PAGE_CACHE=drop "
-                                                            "(and, where the filesystem allows it, O_DIRECT)")
-    parser.add_argument("--cold-threads", default="", help="also this tree with MS_LOADPATCH_COLD_READ_THREADS "
-                                                          "at each of these counts (comma-separated)")
+    parser.add_argument(
+        "--drop",
+        action="store_true",
+        help="also this tree with MS_LOADPATCH_PAGE_CACHE=drop (and, where the filesystem allows it, O_DIRECT)",
+    )
+    parser.add_argument(
+        "--cold-threads",
+        default="",
+        help="also this tree with MS_LOADPATCH_COLD_READ_THREADS at each of these counts (comma-separated)",
+    )
     args = parser.parse_args(argv)
     source, single_file = checkpoint(args.case)
     sides = {"this tree": ("patched", {})}
@@ -119,11 +142,17 @@ def main(argv=None) -> int:
         files = spec.weight_files()
         size = spec.checkpoint_bytes()
         prime = bench.prime_bytes(spec, args.memory)
-        described = (f"FUSE, {args.latency_ms:g} ms per request, {args.stream_mb_s:g} MB/s per stream, "
-                     f"{args.total_mb_s:g} MB/s in all" if storage else "local disk")
+        described = (
+            f"FUSE, {args.latency_ms:g} ms per request, {args.stream_mb_s:g} MB/s per stream, "
+            f"{args.total_mb_s:g} MB/s in all"
+            if storage
+            else "local disk"
+        )
         ranks = f"; jobs of {args.ranks} ranks, the slowest timed" if args.ranks > 1 else ""
-        print(f"{args.case}: {size / 1e9:.2f} GB in {len(files)} file(s); storage: {described}; "
-              f"{args.repeats} rounds, sides taking turns, medians{ranks}")
+        print(
+            f"{args.case}: {size / 1e9:.2f} GB in {len(files)} file(s); storage: {described}; "
+            f"{args.repeats} rounds, sides taking turns, medians{ranks}"
+        )
         floors = {threads: [] for threads in PARALLEL_THREADS}
         seconds = {side: [] for side in sides}
         served = {side: [] for side in sides}
@@ -142,13 +171,14 @@ def main(argv=None) -> int:
                 if left:
                     print(f"  note: {left:.1%} of the files stayed cached after the eviction")
         best = min(statistics.median(runs) for runs in floors.values())
-        floor_text = ", ".join(f"{threads} threads {statistics.median(runs):.2f} s"
-                               for threads, runs in floors.items())
+        floor_text = ", ".join(f"{threads} threads {statistics.median(runs):.2f} s" for threads, runs in floors.items())
         print(f"  parallel read, cold: {floor_text}; best {best:.2f} s ({size / best / 1e6:.0f} MB/s)")
         for side in sides:
             median = statistics.median(seconds[side])
-            line = (f"  {side}: {median:.2f} s = {median / best:.2f}x the best read "
-                    f"(runs {', '.join(f'{s:.2f}' for s in seconds[side])})")
+            line = (
+                f"  {side}: {median:.2f} s = {median / best:.2f}x the best read "
+                f"(runs {', '.join(f'{s:.2f}' for s in seconds[side])})"
+            )
             if storage:
                 line += f"; served {statistics.median(served[side]) / size:.2f}x the checkpoint's bytes"
             report = reports[side]

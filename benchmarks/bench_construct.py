@@ -41,8 +41,17 @@ MODELS = {
     "moe": ("MixtralForCausalLM", SIZES["full"]["moe"]),  # the built-in bench's MoE, 48 layers x 128 experts
     "qwen2": ("Qwen2ForCausalLM", SIZES["full"]["qwen2"]),
     # a big dense model: 80 decoder layers (~1.2k cells)
-    "dense80": ("Qwen2ForCausalLM", dict(vocab_size=1024, hidden_size=64, num_hidden_layers=80, num_attention_heads=4,
-                                         num_key_value_heads=2, intermediate_size=128)),
+    "dense80": (
+        "Qwen2ForCausalLM",
+        dict(
+            vocab_size=1024,
+            hidden_size=64,
+            num_hidden_layers=80,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            intermediate_size=128,
+        ),
+    ),
     **{family: (class_name, config) for family, (class_name, config) in families().items()},
 }
 FAMILIES = list(families())
@@ -113,8 +122,7 @@ FAMILY_VARIANTS = ("floor", "patched", "no-sibling-clone")  # per family: floor,
 def _wanted(variant, model, only) -> bool:
     if only:
         return variant in only
-    return (not variant.startswith(("lazy-", "probed-"))
-            and (model not in FAMILIES or variant in FAMILY_VARIANTS))
+    return not variant.startswith(("lazy-", "probed-")) and (model not in FAMILIES or variant in FAMILY_VARIANTS)
 
 
 def run_once(variant, off, class_name, config) -> dict:
@@ -126,22 +134,41 @@ def run_once(variant, off, class_name, config) -> dict:
     else:
         env.pop("MS_LOADPATCH_TECHNIQUES_OFF", None)
     imports = "lazy" if variant.startswith("lazy-") else "eager"
-    out = subprocess.run([sys.executable, "-c", _CHILD, "floor" if off is None else "patched", class_name,
-                          json.dumps(config), imports, "probed" if variant.startswith("probed-") else "-"],
-                         env=env, capture_output=True, text=True, timeout=900)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            _CHILD,
+            "floor" if off is None else "patched",
+            class_name,
+            json.dumps(config),
+            imports,
+            "probed" if variant.startswith("probed-") else "-",
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     for line in out.stdout.splitlines():
         if line.startswith("RESULT "):
-            return json.loads(line[len("RESULT "):])
+            return json.loads(line[len("RESULT ") :])
     raise RuntimeError(f"{variant}: the child failed (exit {out.returncode}):\n{out.stderr[-3000:]}")
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--models", default="moe,qwen2",
-                        help=f"comma-separated subset of {', '.join(MODELS)}; `families`: every MoE family")
+    parser.add_argument(
+        "--models",
+        default="moe,qwen2",
+        help=f"comma-separated subset of {', '.join(MODELS)}; `families`: every MoE family",
+    )
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--only", help="comma-separated variants (floor, patched, none, no-<technique>, lazy-floor, "
-                                       "lazy-patched, probed-patched)")
+    parser.add_argument(
+        "--only",
+        help="comma-separated variants (floor, patched, none, no-<technique>, lazy-floor, "
+        "lazy-patched, probed-patched)",
+    )
     parser.add_argument("--json", metavar="FILE")
     args = parser.parse_args(argv)
     only = set(args.only.split(",")) if args.only else None
@@ -159,25 +186,42 @@ def main(argv=None) -> int:
         for variant, label, _off in chosen:
             runs = runs_of[variant]
             seconds = [r["seconds"] for r in runs]
-            rows.append({"variant": variant, "label": label, "runs": seconds,
-                         "median_seconds": statistics.median(seconds), "cells": runs[0]["cells"],
-                         "parameters": runs[0]["parameters"], "active": runs[0]["active"],
-                         "engaged_at": runs[0]["engaged_at"], "copied": runs[0]["copied"],
-                         "not_copied": runs[0]["not_copied"]})
-            print(f"{model:6} {label:58} {statistics.median(seconds):8.3f} s   runs "
-                  + "/".join(f"{s:.3f}" for s in seconds) + f"   {runs[0]['copied']} cells copied", flush=True)
+            rows.append(
+                {
+                    "variant": variant,
+                    "label": label,
+                    "runs": seconds,
+                    "median_seconds": statistics.median(seconds),
+                    "cells": runs[0]["cells"],
+                    "parameters": runs[0]["parameters"],
+                    "active": runs[0]["active"],
+                    "engaged_at": runs[0]["engaged_at"],
+                    "copied": runs[0]["copied"],
+                    "not_copied": runs[0]["not_copied"],
+                }
+            )
+            print(
+                f"{model:6} {label:58} {statistics.median(seconds):8.3f} s   runs "
+                + "/".join(f"{s:.3f}" for s in seconds)
+                + f"   {runs[0]['copied']} cells copied",
+                flush=True,
+            )
         results[model] = rows
         floor = next((r for r in rows if r["variant"] == "floor"), None)
         if floor:
             engaged = next((r["engaged_at"] for r in rows if r["variant"] == "patched"), None)
-            print(f"{model}: {rows[0]['cells']} cells, {rows[0]['parameters']} parameters; techniques engaged "
-                  + (f"at cell {engaged}" if engaged is not None else "never (fewer cells than the start)"))
+            print(
+                f"{model}: {rows[0]['cells']} cells, {rows[0]['parameters']} parameters; techniques engaged "
+                + (f"at cell {engaged}" if engaged is not None else "never (fewer cells than the start)")
+            )
             lazy_floor = next((r for r in rows if r["variant"] == "lazy-floor"), floor)
             for r in rows:
                 base = lazy_floor if r["variant"].startswith("lazy-") else floor  # each against its own import
                 ratio = r["median_seconds"] / base["median_seconds"]
-                print(f"  {r['label']:58} {r['median_seconds']:8.3f} s  {ratio:5.2f}x floor"
-                      + ("" if r["variant"].endswith("floor") else f"  {r['copied']} cells copied"))
+                print(
+                    f"  {r['label']:58} {r['median_seconds']:8.3f} s  {ratio:5.2f}x floor"
+                    + ("" if r["variant"].endswith("floor") else f"  {r['copied']} cells copied")
+                )
             patched = next((r for r in rows if r["variant"] == "patched"), None)
             for name, reason in (patched["not_copied"] if patched else {}).items():
                 print(f"  built plainly: {name}: {reason}")

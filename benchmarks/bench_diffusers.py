@@ -30,47 +30,103 @@ from common import bench_main, bf16_copy, run_single, script_result  # noqa: E40
 SIZES = {
     "full": {
         "unet": dict(
-            sample_size=64, block_out_channels=[256, 512, 768, 768], layers_per_block=2, cross_attention_dim=768,
-            attention_head_dim=8, down_block_types=["CrossAttnDownBlock2D"] * 3 + ["DownBlock2D"],
+            sample_size=64,
+            block_out_channels=[256, 512, 768, 768],
+            layers_per_block=2,
+            cross_attention_dim=768,
+            attention_head_dim=8,
+            down_block_types=["CrossAttnDownBlock2D"] * 3 + ["DownBlock2D"],
             up_block_types=["UpBlock2D"] + ["CrossAttnUpBlock2D"] * 3,
         ),
         "flux": dict(
-            patch_size=1, in_channels=64, num_layers=4, num_single_layers=8, attention_head_dim=128,
-            num_attention_heads=8, joint_attention_dim=1024, pooled_projection_dim=768, axes_dims_rope=[16, 56, 56],
+            patch_size=1,
+            in_channels=64,
+            num_layers=4,
+            num_single_layers=8,
+            attention_head_dim=128,
+            num_attention_heads=8,
+            joint_attention_dim=1024,
+            pooled_projection_dim=768,
+            axes_dims_rope=[16, 56, 56],
         ),
         "vae": dict(
-            block_out_channels=[128, 256, 512, 512], in_channels=3, out_channels=3, latent_channels=4,
-            down_block_types=["DownEncoderBlock2D"] * 4, up_block_types=["UpDecoderBlock2D"] * 4, layers_per_block=2,
+            block_out_channels=[128, 256, 512, 512],
+            in_channels=3,
+            out_channels=3,
+            latent_channels=4,
+            down_block_types=["DownEncoderBlock2D"] * 4,
+            up_block_types=["UpDecoderBlock2D"] * 4,
+            layers_per_block=2,
             sample_size=512,
         ),
         "text_encoder": dict(
-            vocab_size=49408, hidden_size=768, intermediate_size=3072, num_attention_heads=12, num_hidden_layers=12,
-            max_position_embeddings=77, bos_token_id=0, eos_token_id=1, pad_token_id=1, projection_dim=768,
+            vocab_size=49408,
+            hidden_size=768,
+            intermediate_size=3072,
+            num_attention_heads=12,
+            num_hidden_layers=12,
+            max_position_embeddings=77,
+            bos_token_id=0,
+            eos_token_id=1,
+            pad_token_id=1,
+            projection_dim=768,
         ),
         "shard": "200MB",
     },
     "small": {
         "unet": dict(
-            sample_size=16, block_out_channels=[32, 64], layers_per_block=1, cross_attention_dim=32,
-            attention_head_dim=4, norm_num_groups=8, down_block_types=["CrossAttnDownBlock2D", "DownBlock2D"],
+            sample_size=16,
+            block_out_channels=[32, 64],
+            layers_per_block=1,
+            cross_attention_dim=32,
+            attention_head_dim=4,
+            norm_num_groups=8,
+            down_block_types=["CrossAttnDownBlock2D", "DownBlock2D"],
             up_block_types=["UpBlock2D", "CrossAttnUpBlock2D"],
         ),
         "flux": dict(
-            patch_size=1, in_channels=16, num_layers=1, num_single_layers=2, attention_head_dim=32,
-            num_attention_heads=2, joint_attention_dim=64, pooled_projection_dim=32, axes_dims_rope=[8, 12, 12],
+            patch_size=1,
+            in_channels=16,
+            num_layers=1,
+            num_single_layers=2,
+            attention_head_dim=32,
+            num_attention_heads=2,
+            joint_attention_dim=64,
+            pooled_projection_dim=32,
+            axes_dims_rope=[8, 12, 12],
         ),
         "vae": dict(
-            block_out_channels=[32, 64], in_channels=3, out_channels=3, latent_channels=4, norm_num_groups=8,
-            down_block_types=["DownEncoderBlock2D"] * 2, up_block_types=["UpDecoderBlock2D"] * 2, sample_size=32,
+            block_out_channels=[32, 64],
+            in_channels=3,
+            out_channels=3,
+            latent_channels=4,
+            norm_num_groups=8,
+            down_block_types=["DownEncoderBlock2D"] * 2,
+            up_block_types=["UpDecoderBlock2D"] * 2,
+            sample_size=32,
         ),
         "text_encoder": dict(
-            vocab_size=64, hidden_size=32, intermediate_size=64, num_attention_heads=2, num_hidden_layers=2,
-            max_position_embeddings=16, bos_token_id=0, eos_token_id=1, pad_token_id=1, projection_dim=32,
+            vocab_size=64,
+            hidden_size=32,
+            intermediate_size=64,
+            num_attention_heads=2,
+            num_hidden_layers=2,
+            max_position_embeddings=16,
+            bos_token_id=0,
+            eos_token_id=1,
+            pad_token_id=1,
+            projection_dim=32,
         ),
         "shard": "200KB",
     },
 }
-CASES = ("unet-fp32-as-bf16", "unet-bf16-as-bf16", "unet-bf16-sharded-as-bf16", "flux-bf16-as-bf16", "pipeline-bf16-as-bf16")
+CASES = (
+    "unet-fp32-as-bf16",
+    "unet-bf16-as-bf16",
+    "unet-bf16-sharded-as-bf16",
+    "flux-bf16-as-bf16",
+    "pipeline-bf16-as-bf16",
+)
 
 
 # -- checkpoints
@@ -94,7 +150,9 @@ def generate(size, progress):
     components = {
         "unet": paths["unet-bf16"],
         "vae": bf16_copy(made("vae", "AutoencoderKL", config["vae"])),
-        "text_encoder": bf16_copy(made("text-encoder", "CLIPTextModel", config["text_encoder"], library="transformers")),
+        "text_encoder": bf16_copy(
+            made("text-encoder", "CLIPTextModel", config["text_encoder"], library="transformers")
+        ),
     }
     paths["pipeline-bf16"] = assemble_pipeline(size, components)
     return paths
@@ -132,14 +190,25 @@ def assemble_pipeline(size, components):
         if os.path.lexists(link):
             os.remove(link)
         os.symlink(path, link)
-    subprocess.run([sys.executable, "-c", _ASSEMBLE, out], check=True, env=bench.child_env("unpatched"),
-                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    subprocess.run(
+        [sys.executable, "-c", _ASSEMBLE, out],
+        check=True,
+        env=bench.child_env("unpatched"),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     index = {
-        "_class_name": "StableDiffusionPipeline", "_diffusers_version": "0.35.1",
-        "feature_extractor": [None, None], "image_encoder": [None, None], "requires_safety_checker": False,
-        "safety_checker": [None, None], "scheduler": ["diffusers", "PNDMScheduler"],
-        "text_encoder": ["transformers", "CLIPTextModel"], "tokenizer": ["transformers", "CLIPTokenizer"],
-        "unet": ["diffusers", "UNet2DConditionModel"], "vae": ["diffusers", "AutoencoderKL"],
+        "_class_name": "StableDiffusionPipeline",
+        "_diffusers_version": "0.35.1",
+        "feature_extractor": [None, None],
+        "image_encoder": [None, None],
+        "requires_safety_checker": False,
+        "safety_checker": [None, None],
+        "scheduler": ["diffusers", "PNDMScheduler"],
+        "text_encoder": ["transformers", "CLIPTextModel"],
+        "tokenizer": ["transformers", "CLIPTokenizer"],
+        "unet": ["diffusers", "UNet2DConditionModel"],
+        "vae": ["diffusers", "AutoencoderKL"],
     }
     with open(os.path.join(out, "model_index.json"), "w") as f:
         json.dump(index, f, indent=2)
@@ -226,8 +295,15 @@ def run_case(case, paths, args, progress):
 
 
 def main(argv=None) -> int:
-    return bench_main(argv, __doc__, SIZES, CASES, generate, run_case,
-                      "bf16-as-bf16 >= 2x and >= 30% less RSS; never slower; within 1.5x of the floor")
+    return bench_main(
+        argv,
+        __doc__,
+        SIZES,
+        CASES,
+        generate,
+        run_case,
+        "bf16-as-bf16 >= 2x and >= 30% less RSS; never slower; within 1.5x of the floor",
+    )
 
 
 if __name__ == "__main__":

@@ -39,8 +39,10 @@ SIDES = {  # name -> (mode, extra environment per rank given N)
     "patched": ("patched", lambda n: {"MS_LOADPATCH_LOCAL_RANKS": str(n)}),
     "patched-no-budget": ("patched", lambda n: {"MS_LOADPATCH_LOCAL_RANKS": "1"}),
 }
-TARGETS = ("2 ranks: slowest patched rank >= 10x faster than unpatched (--memory primed); 2 ranks patched <= 2.2x "
-           "the 1-rank patched time; node total peak RSS patched <= unpatched; per rank patched <= the 1-rank load")
+TARGETS = (
+    "2 ranks: slowest patched rank >= 10x faster than unpatched (--memory primed); 2 ranks patched <= 2.2x "
+    "the 1-rank patched time; node total peak RSS patched <= unpatched; per rank patched <= the 1-rank load"
+)
 
 
 def run_job(spec, side, ranks, prime, timeout):
@@ -50,12 +52,19 @@ def run_job(spec, side, ranks, prime, timeout):
         barrier = {"directory": start_line, "parties": ranks}
 
         def rank_env(rank):
-            return {"MS_ROLE": "MS_WORKER", "MS_WORKER_NUM": str(ranks), "RANK_ID": str(rank),
-                    "DEVICE_ID": str(rank), **extra(ranks)}
+            return {
+                "MS_ROLE": "MS_WORKER",
+                "MS_WORKER_NUM": str(ranks),
+                "RANK_ID": str(rank),
+                "DEVICE_ID": str(rank),
+                **extra(ranks),
+            }
 
         with ThreadPoolExecutor(max_workers=ranks) as pool:
-            futures = [pool.submit(bench.measure_load, spec, mode, None, timeout, prime, barrier, rank_env(rank))
-                       for rank in range(ranks)]
+            futures = [
+                pool.submit(bench.measure_load, spec, mode, None, timeout, prime, barrier, rank_env(rank))
+                for rank in range(ranks)
+            ]
             return [f.result() for f in futures]
 
 
@@ -65,9 +74,14 @@ def summarise(jobs):
     per_rank = [max(r["peak_rss_bytes"] for r in job) for job in jobs]
     node = [sum(r["peak_rss_bytes"] for r in job) for job in jobs]
     report = jobs[0][0].get("report") or {}
-    return {"slowest_s": statistics.median(slowest), "rank_peak_mb": statistics.median(per_rank) / 2**20,
-            "node_peak_mb": statistics.median(node) / 2**20, "runs_s": slowest,
-            "read_threads": report.get("read_threads"), "local_ranks": report.get("local_ranks")}
+    return {
+        "slowest_s": statistics.median(slowest),
+        "rank_peak_mb": statistics.median(per_rank) / 2**20,
+        "node_peak_mb": statistics.median(node) / 2**20,
+        "runs_s": slowest,
+        "read_threads": report.get("read_threads"),
+        "local_ranks": report.get("local_ranks"),
+    }
 
 
 def main(argv=None) -> int:
@@ -85,8 +99,9 @@ def main(argv=None) -> int:
         parser.error(f"unknown side(s): {', '.join(sorted(set(sides) - set(SIDES)))}")
     progress = bench.Progress()
     config = SIZES[args.size]
-    path = bench.cached_checkpoint(f"tf-{args.size}-qwen2", "Qwen2ForCausalLM", config["qwen2"],
-                                   config["qwen2_shard"], progress=progress)
+    path = bench.cached_checkpoint(
+        f"tf-{args.size}-qwen2", "Qwen2ForCausalLM", config["qwen2"], config["qwen2_shard"], progress=progress
+    )
     spec = bench.LoadSpec.resolve(path, dtype="float32")
     results = {}
     for ranks in counts:
@@ -100,19 +115,25 @@ def main(argv=None) -> int:
                     jobs.append(run_job(spec, side, ranks, prime, timeout=1800))
             results[f"{ranks}|{side}"] = summarise(jobs)
     print(f"\n{spec.class_name} fp32 as fp32 ({args.size}), {available_cores()} core(s), memory: {args.memory}")
-    print("| ranks | side | slowest rank | vs unpatched | per-rank peak RSS | node total peak RSS | read threads/rank |")
+    print(
+        "| ranks | side | slowest rank | vs unpatched | per-rank peak RSS | node total peak RSS | read threads/rank |"
+    )
     print("| --- | --- | --- | --- | --- | --- | --- |")
     for key, row in results.items():
         ranks, side = key.split("|")
         base = results.get(f"{ranks}|unpatched")
         ratio = f"{base['slowest_s'] / row['slowest_s']:.1f}x" if base and side != "unpatched" else ""
-        print(f"| {ranks} | {side} | {row['slowest_s']:.3f} s | {ratio} | {row['rank_peak_mb']:,.0f} MB | "
-              f"{row['node_peak_mb']:,.0f} MB | {row['read_threads'] or ''} |")
+        print(
+            f"| {ranks} | {side} | {row['slowest_s']:.3f} s | {ratio} | {row['rank_peak_mb']:,.0f} MB | "
+            f"{row['node_peak_mb']:,.0f} MB | {row['read_threads'] or ''} |"
+        )
     one, two = results.get("1|patched"), results.get("2|patched")
     if one and two:
         print(f"2 ranks patched / 1 rank patched: {two['slowest_s'] / one['slowest_s']:.2f}x (target <= 2.2x)")
-    print("runs (slowest rank, s): " + " · ".join(
-        f"{k.replace('|', ' ')}: " + "/".join(f"{s:.2f}" for s in v["runs_s"]) for k, v in results.items()))
+    print(
+        "runs (slowest rank, s): "
+        + " · ".join(f"{k.replace('|', ' ')}: " + "/".join(f"{s:.2f}" for s in v["runs_s"]) for k, v in results.items())
+    )
     print(f"targets: {TARGETS}")
     if args.json:
         with open(args.json, "w") as f:

@@ -35,9 +35,16 @@ from ms_loadpatch.tools import bench  # noqa: E402
 
 CASES = ("imports", "touch-all", "transformers", "diffusers")
 # SD 1.x VAE shape (84M parameters, 335 MB in fp32)
-VAE = dict(block_out_channels=[128, 256, 512, 512], in_channels=3, out_channels=3, latent_channels=4,
-           down_block_types=["DownEncoderBlock2D"] * 4, up_block_types=["UpDecoderBlock2D"] * 4, layers_per_block=2,
-           sample_size=512)
+VAE = dict(
+    block_out_channels=[128, 256, 512, 512],
+    in_channels=3,
+    out_channels=3,
+    latent_channels=4,
+    down_block_types=["DownEncoderBlock2D"] * 4,
+    up_block_types=["UpDecoderBlock2D"] * 4,
+    layers_per_block=2,
+    sample_size=512,
+)
 
 # argv: spawn time; prints one JSON line of seconds since spawn per step
 _IMPORTS = """
@@ -80,11 +87,16 @@ def _env(mode):
 
 
 def _run(code, mode, *args):
-    proc = subprocess.run([sys.executable, "-c", code, repr(time.time()), mode, *args], env=_env(mode),
-                          capture_output=True, text=True, timeout=900)
+    proc = subprocess.run(
+        [sys.executable, "-c", code, repr(time.time()), mode, *args],
+        env=_env(mode),
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     for line in proc.stdout.splitlines():
         if line.startswith("RESULT "):
-            return json.loads(line[len("RESULT "):])
+            return json.loads(line[len("RESULT ") :])
     raise RuntimeError(f"child failed ({proc.returncode}): {proc.stderr[-2000:]}")
 
 
@@ -102,18 +114,26 @@ def case_imports(repeats):
     rows = {"mindspore only": {"import mindspore": base, "runs": [r["mindspore"] for r in runs["mindspore only"]]}}
     for mode in ("unpatched", "patched"):
         parts = [r["mindone"] - r["mindspore"] for r in runs[mode]]
-        rows[mode] = {"import mindspore": _median(runs[mode], "mindspore"), "mindone part": statistics.median(parts),
-                      "total": _median(runs[mode], "mindone"), "mindone part runs": parts,
-                      "lazy": all(r["lazy"] for r in runs[mode])}
+        rows[mode] = {
+            "import mindspore": _median(runs[mode], "mindspore"),
+            "mindone part": statistics.median(parts),
+            "total": _median(runs[mode], "mindone"),
+            "mindone part runs": parts,
+            "lazy": all(r["lazy"] for r in runs[mode]),
+        }
     rows["mindone part ratio"] = rows["unpatched"]["mindone part"] / rows["patched"]["mindone part"]
-    print("\nimports (seconds since process spawn; mindone part = from mindone.transformers import "
-          "AutoModelForCausalLM after import mindspore)")
+    print(
+        "\nimports (seconds since process spawn; mindone part = from mindone.transformers import "
+        "AutoModelForCausalLM after import mindspore)"
+    )
     print(f"  python -c 'import mindspore'                     {base:.3f} s")
     for mode in ("unpatched", "patched"):
         row = rows[mode]
-        print(f"  {mode:10} import mindspore {row['import mindspore']:.3f} s, mindone part {row['mindone part']:.3f} s "
-              f"(runs {' '.join(f'{x:.2f}' for x in row['mindone part runs'])}), total {row['total']:.3f} s, "
-              f"lazy {row['lazy']}")
+        print(
+            f"  {mode:10} import mindspore {row['import mindspore']:.3f} s, mindone part {row['mindone part']:.3f} s "
+            f"(runs {' '.join(f'{x:.2f}' for x in row['mindone part runs'])}), total {row['total']:.3f} s, "
+            f"lazy {row['lazy']}"
+        )
     print(f"  mindone part: {rows['mindone part ratio']:.2f}x faster patched")
     return rows
 
@@ -123,16 +143,26 @@ def case_touch_all(repeats):
     for _ in range(repeats):
         for mode in ("unpatched", "patched"):
             runs[mode].append(_run(_TOUCH_ALL, mode))
-    rows = {mode: {"imported": _median(r, "imported"), "touched": _median(r, "touched"),
-                   "runs": [x["touched"] for x in r], "names": r[0]["names"], "modules": r[0]["modules"],
-                   "lazy": all(x["lazy"] for x in r)} for mode, r in runs.items()}
+    rows = {
+        mode: {
+            "imported": _median(r, "imported"),
+            "touched": _median(r, "touched"),
+            "runs": [x["touched"] for x in r],
+            "names": r[0]["names"],
+            "modules": r[0]["modules"],
+            "lazy": all(x["lazy"] for x in r),
+        }
+        for mode, r in runs.items()
+    }
     rows["slowdown"] = rows["patched"]["touched"] / rows["unpatched"]["touched"] - 1
     print("\ntouch-all (import mindone.transformers, getattr of every public name; seconds since spawn)")
     for mode in ("unpatched", "patched"):
         row = rows[mode]
-        print(f"  {mode:10} imported {row['imported']:.3f} s, all touched {row['touched']:.3f} s "
-              f"(runs {' '.join(f'{x:.2f}' for x in row['runs'])}), {row['names']} names, "
-              f"{row['modules']} modules, lazy {row['lazy']}")
+        print(
+            f"  {mode:10} imported {row['imported']:.3f} s, all touched {row['touched']:.3f} s "
+            f"(runs {' '.join(f'{x:.2f}' for x in row['runs'])}), {row['names']} names, "
+            f"{row['modules']} modules, lazy {row['lazy']}"
+        )
     print(f"  patched vs unpatched: {rows['slowdown']:+.1%}")
     return rows
 
@@ -145,14 +175,20 @@ def case_time_to_model(name, spec, repeats, memory):
             runs[mode].append(bench.measure_time_to_model(spec, mode, prime=prime))
     result = bench.summarize_time_to_model(runs)
     print(f"\ntime to model, {name}: {spec.class_name}, {bench._mb(spec.checkpoint_bytes())}")
-    labels = (("interpreter start", "interpreter_seconds"), ("import mindspore", "import_mindspore_seconds"),
-              ("import the model class", "import_mindone_seconds"), ("from_pretrained + touch", "load_seconds"),
-              ("total", "seconds"))
+    labels = (
+        ("interpreter start", "interpreter_seconds"),
+        ("import mindspore", "import_mindspore_seconds"),
+        ("import the model class", "import_mindone_seconds"),
+        ("from_pretrained + touch", "load_seconds"),
+        ("total", "seconds"),
+    )
     print(f"  {'':26}{'unpatched':>11}{'patched':>11}")
     for label, key in labels:
         print(f"  {label:26}{result['unpatched'][key]:>10.3f}s{result['patched'][key]:>10.3f}s")
-    print(f"  runs (total): unpatched {' '.join(f'{x:.2f}' for x in result['unpatched']['all_seconds'])}; "
-          f"patched {' '.join(f'{x:.2f}' for x in result['patched']['all_seconds'])}")
+    print(
+        f"  runs (total): unpatched {' '.join(f'{x:.2f}' for x in result['unpatched']['all_seconds'])}; "
+        f"patched {' '.join(f'{x:.2f}' for x in result['patched']['all_seconds'])}"
+    )
     print(f"  {result['ratio']:.2f}x faster patched (lazy import: {result['patched']['lazy_import']})")
     return result
 

@@ -27,19 +27,49 @@ from moe_families import families  # noqa: E402
 # a Mixtral-style MoE with 18.8k tensors (48 layers x 128 experts x 3 + attention).
 SIZES = {
     "full": {
-        "qwen2": dict(vocab_size=151936, hidden_size=896, num_hidden_layers=24, num_attention_heads=14,
-                      num_key_value_heads=2, intermediate_size=4864, tie_word_embeddings=True,
-                      max_position_embeddings=32768),
-        "moe": dict(vocab_size=1024, hidden_size=64, num_hidden_layers=48, num_attention_heads=4,
-                    num_key_value_heads=2, intermediate_size=32, num_local_experts=128, num_experts_per_tok=2),
+        "qwen2": dict(
+            vocab_size=151936,
+            hidden_size=896,
+            num_hidden_layers=24,
+            num_attention_heads=14,
+            num_key_value_heads=2,
+            intermediate_size=4864,
+            tie_word_embeddings=True,
+            max_position_embeddings=32768,
+        ),
+        "moe": dict(
+            vocab_size=1024,
+            hidden_size=64,
+            num_hidden_layers=48,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            intermediate_size=32,
+            num_local_experts=128,
+            num_experts_per_tok=2,
+        ),
         "qwen2_shard": "600MB",
         "moe_shard": "50MB",
     },
     "small": {
-        "qwen2": dict(vocab_size=4096, hidden_size=128, num_hidden_layers=4, num_attention_heads=4,
-                      num_key_value_heads=2, intermediate_size=256, tie_word_embeddings=True),
-        "moe": dict(vocab_size=256, hidden_size=32, num_hidden_layers=4, num_attention_heads=4,
-                    num_key_value_heads=2, intermediate_size=16, num_local_experts=16, num_experts_per_tok=2),
+        "qwen2": dict(
+            vocab_size=4096,
+            hidden_size=128,
+            num_hidden_layers=4,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            intermediate_size=256,
+            tie_word_embeddings=True,
+        ),
+        "moe": dict(
+            vocab_size=256,
+            hidden_size=32,
+            num_hidden_layers=4,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            intermediate_size=16,
+            num_local_experts=16,
+            num_experts_per_tok=2,
+        ),
         "qwen2_shard": "1MB",
         "moe_shard": "200KB",
     },
@@ -60,8 +90,10 @@ FAMILY_CASES = {f"{family}-fp32-as-fp32": (family, "float32") for family in fami
 FAMILY_CASES.update({f"{family}-wide-fp32-as-fp32": (f"{family}-wide", "float32") for family in families()})
 DEFAULT_CASES = list(CASES)
 CASES.update(FAMILY_CASES)
-TARGETS = ("Qwen2-0.5B fp32 >= 20x faster; never slower; within 1.5x of (construct + read + one cast pass); "
-           "peak RSS no higher than unpatched; every MoE family >= 4x (fp32 as fp32)")
+TARGETS = (
+    "Qwen2-0.5B fp32 >= 20x faster; never slower; within 1.5x of (construct + read + one cast pass); "
+    "peak RSS no higher than unpatched; every MoE family >= 4x (fp32 as fp32)"
+)
 
 
 class _Checkpoints(dict):
@@ -74,18 +106,21 @@ class _Checkpoints(dict):
     def __missing__(self, name):
         config, size = SIZES[self.size], self.size
         if name == "qwen2-fp32":
-            path = bench.cached_checkpoint(f"tf-{size}-qwen2", "Qwen2ForCausalLM", config["qwen2"],
-                                           config["qwen2_shard"], progress=self.progress)
+            path = bench.cached_checkpoint(
+                f"tf-{size}-qwen2", "Qwen2ForCausalLM", config["qwen2"], config["qwen2_shard"], progress=self.progress
+            )
         elif name == "qwen2-bf16":
             path = bf16_copy(self["qwen2-fp32"])
         elif name == "moe-fp32":
-            path = bench.cached_checkpoint(f"tf-{size}-moe", "MixtralForCausalLM", config["moe"], config["moe_shard"],
-                                           progress=self.progress)
+            path = bench.cached_checkpoint(
+                f"tf-{size}-moe", "MixtralForCausalLM", config["moe"], config["moe_shard"], progress=self.progress
+            )
         else:  # an MoE family, or its wide variant
             family, _, wide = name.partition("-")
             class_name, family_config = families(*FAMILY_SIZES[size], width=WIDE if wide else 1)[family]
-            path = bench.cached_checkpoint(f"tf-{size}-{name}", class_name, family_config, config["moe_shard"],
-                                           progress=self.progress)
+            path = bench.cached_checkpoint(
+                f"tf-{size}-{name}", class_name, family_config, config["moe_shard"], progress=self.progress
+            )
         self[name] = path
         return path
 

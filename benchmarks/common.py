@@ -18,11 +18,12 @@ from ms_loadpatch.tools import bench
 def script_result(code: str, args, mode: str, what: str) -> dict:
     """Run `code` in a fresh interpreter (`mode`: "patched" or "unpatched",
     bench.child_env) with `args`; the JSON of its "RESULT " line."""
-    proc = subprocess.run([sys.executable, "-c", code, *map(str, args)], env=bench.child_env(mode),
-                          capture_output=True, text=True)
+    proc = subprocess.run(
+        [sys.executable, "-c", code, *map(str, args)], env=bench.child_env(mode), capture_output=True, text=True
+    )
     for line in proc.stdout.splitlines():
         if line.startswith("RESULT "):
-            return json.loads(line[len("RESULT "):])
+            return json.loads(line[len("RESULT ") :])
     raise bench.ChildError(f"{what} ({mode}) failed, exit {proc.returncode}", stderr=proc.stderr)
 
 
@@ -87,19 +88,24 @@ def summary_row(name, result):
     floor = floors.get("read_seconds", 0.0) + floors.get("construct_seconds", 0.0) + floors.get("cast_seconds", 0.0)
     return {
         "case": name,
-        "unpatched_s": unp["median_seconds"], "patched_s": pat["median_seconds"],
+        "unpatched_s": unp["median_seconds"],
+        "patched_s": pat["median_seconds"],
         "ratio": unp["median_seconds"] / pat["median_seconds"],
-        "unpatched_peak_mb": unp_rss / 2**20, "patched_peak_mb": pat_rss / 2**20,
+        "unpatched_peak_mb": unp_rss / 2**20,
+        "patched_peak_mb": pat_rss / 2**20,
         "rss_saving": 1 - (pat_rss - base) / max(unp_rss - base, 1),
-        "floor_read_s": floors.get("read_seconds"), "floor_construct_s": floors.get("construct_seconds"),
+        "floor_read_s": floors.get("read_seconds"),
+        "floor_construct_s": floors.get("construct_seconds"),
         "floor_cast_s": floors.get("cast_seconds", 0.0),
         "vs_floor": pat["median_seconds"] / floor if floor else None,
     }
 
 
 def format_summary(rows, targets: str = "") -> str:
-    head = (f"{'case':28}{'unpatched':>11}{'patched':>10}{'ratio':>8}{'peak RSS unp':>14}{'peak RSS pat':>14}"
-            f"{'load RSS saved':>16}{'floor read':>12}{'floor build':>13}{'floor cast':>12}{'pat/floor':>11}")
+    head = (
+        f"{'case':28}{'unpatched':>11}{'patched':>10}{'ratio':>8}{'peak RSS unp':>14}{'peak RSS pat':>14}"
+        f"{'load RSS saved':>16}{'floor read':>12}{'floor build':>13}{'floor cast':>12}{'pat/floor':>11}"
+    )
     lines = [head, "-" * len(head)]
     for r in rows:
         lines.append(
@@ -109,8 +115,10 @@ def format_summary(rows, targets: str = "") -> str:
         )
     lines.append("")
     lines.append("load RSS saved: 1 - (patched peak - base) / (unpatched peak - base), base = RSS after imports")
-    lines.append("pat/floor: patched time / (read + construct + one cast pass floors); reading overlaps construction, "
-                 "so < 1 is possible")
+    lines.append(
+        "pat/floor: patched time / (read + construct + one cast pass floors); reading overlaps construction, "
+        "so < 1 is possible"
+    )
     if targets:
         lines.append(f"targets: {targets}")
     return "\n".join(lines)
@@ -132,12 +140,17 @@ def bench_main(argv, doc, sizes, cases, generate, run_case, targets, default_cas
     parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--size", choices=sizes, default="full")
     parser.add_argument("--repeats", type=int, default=3, help="fresh processes per side and case (median)")
-    parser.add_argument("--cases", default=",".join(default_cases or cases),
-                        help=f"comma-separated subset of {', '.join(cases)}")
+    parser.add_argument(
+        "--cases", default=",".join(default_cases or cases), help=f"comma-separated subset of {', '.join(cases)}"
+    )
     parser.add_argument("--json", metavar="FILE", help="also write every result as JSON")
-    parser.add_argument("--memory", choices=bench.MEMORY_MODES, default="primed",
-                        help="primed (default): fault in and free memory before each timed part, in every process; "
-                             "as-is: count this VM's first-touch cost of fresh memory (about 2 s/GB)")
+    parser.add_argument(
+        "--memory",
+        choices=bench.MEMORY_MODES,
+        default="primed",
+        help="primed (default): fault in and free memory before each timed part, in every process; "
+        "as-is: count this VM's first-touch cost of fresh memory (about 2 s/GB)",
+    )
     args = parser.parse_args(argv)
     selected = [c for c in args.cases.split(",") if c]
     unknown = set(selected) - set(cases)
@@ -161,6 +174,15 @@ def bench_main(argv, doc, sizes, cases, generate, run_case, targets, default_cas
     print(f"memory: {args.memory} (--memory; primed = every timed part starts on memory the host backs)")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"size": args.size, "memory": args.memory, "results": results, "summary": rows,
-                       "not_measured": not_measured}, f, indent=2)
+            json.dump(
+                {
+                    "size": args.size,
+                    "memory": args.memory,
+                    "results": results,
+                    "summary": rows,
+                    "not_measured": not_measured,
+                },
+                f,
+                indent=2,
+            )
     return 1 if not_measured else 0

@@ -71,7 +71,7 @@ def main(argv=None) -> int:
             by_module[name] = by_module.get(name, 0.0) + tottime
     total = sum(v[2] for v in stats.stats.values())
     print(f"\nown time per plugin module (of {total:.2f} s profiled):")
-    for name, own in sorted(by_module.items(), key=lambda kv: -kv[1])[:args.top]:
+    for name, own in sorted(by_module.items(), key=lambda kv: -kv[1])[: args.top]:
         print(f"  {own:8.3f} s  {own / total:6.1%}  {name}")
     accounting = sum(own for name, own in by_module.items() if name.replace(os.sep, "/").endswith(ACCOUNTING))
     print(f"random-state accounting ({', '.join(ACCOUNTING)}): {accounting:.3f} s, {accounting / total:.1%}")

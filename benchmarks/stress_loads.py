@@ -84,15 +84,18 @@ class Kind:
 
 
 def _kinds(ms):
-    return {k.name: k for k in [
-        Kind("qwen2", "transformers", "qwen2"),
-        Kind("qwen2-sharded", "transformers", "qwen2-sharded", {"mindspore_dtype": ms.bfloat16}),
-        Kind("mixtral", "transformers", "mixtral"),
-        Kind("vae", "diffusers", "vae", {"mindspore_dtype": ms.float16}),
-        Kind("unet", "diffusers", "unet-sharded"),
-        Kind("bad", "transformers", "bad-qwen2", broken_from="qwen2"),
-        Kind("bad-vae", "diffusers", "bad-vae", broken_from="vae"),
-    ]}
+    return {
+        k.name: k
+        for k in [
+            Kind("qwen2", "transformers", "qwen2"),
+            Kind("qwen2-sharded", "transformers", "qwen2-sharded", {"mindspore_dtype": ms.bfloat16}),
+            Kind("mixtral", "transformers", "mixtral"),
+            Kind("vae", "diffusers", "vae", {"mindspore_dtype": ms.float16}),
+            Kind("unet", "diffusers", "unet-sharded"),
+            Kind("bad", "transformers", "bad-qwen2", broken_from="qwen2"),
+            Kind("bad-vae", "diffusers", "bad-vae", broken_from="vae"),
+        ]
+    }
 
 
 KIND_NAMES = ["qwen2", "qwen2-sharded", "mixtral", "vae", "unet", "bad", "bad-vae"]
@@ -104,19 +107,58 @@ def _classes():
     import mindone.diffusers as md
     import mindone.transformers as mt
 
-    qwen2 = lambda: mt.Qwen2ForCausalLM(hf.Qwen2Config(  # noqa: E731
-        vocab_size=128, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-        intermediate_size=64))
-    mixtral = lambda: mt.MixtralForCausalLM(hf.MixtralConfig(  # noqa: E731
-        vocab_size=128, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-        intermediate_size=16, num_local_experts=32, num_experts_per_tok=2))
-    vae = lambda: md.AutoencoderKL(  # noqa: E731
-        block_out_channels=[4, 8], in_channels=3, out_channels=3, down_block_types=["DownEncoderBlock2D"] * 2,
-        up_block_types=["UpDecoderBlock2D"] * 2, latent_channels=4, norm_num_groups=4, sample_size=16)
-    unet = lambda: md.UNet2DConditionModel(  # noqa: E731
-        block_out_channels=(4, 8), layers_per_block=1, sample_size=8, in_channels=4, out_channels=4,
-        down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"), up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"),
-        cross_attention_dim=8, norm_num_groups=4, attention_head_dim=2)
+    def qwen2():
+        return mt.Qwen2ForCausalLM(
+            hf.Qwen2Config(
+                vocab_size=128,
+                hidden_size=32,
+                num_hidden_layers=2,
+                num_attention_heads=4,
+                num_key_value_heads=2,
+                intermediate_size=64,
+            )
+        )
+
+    def mixtral():
+        return mt.MixtralForCausalLM(
+            hf.MixtralConfig(
+                vocab_size=128,
+                hidden_size=32,
+                num_hidden_layers=2,
+                num_attention_heads=4,
+                num_key_value_heads=2,
+                intermediate_size=16,
+                num_local_experts=32,
+                num_experts_per_tok=2,
+            )
+        )
+
+    def vae():
+        return md.AutoencoderKL(
+            block_out_channels=[4, 8],
+            in_channels=3,
+            out_channels=3,
+            down_block_types=["DownEncoderBlock2D"] * 2,
+            up_block_types=["UpDecoderBlock2D"] * 2,
+            latent_channels=4,
+            norm_num_groups=4,
+            sample_size=16,
+        )
+
+    def unet():
+        return md.UNet2DConditionModel(
+            block_out_channels=(4, 8),
+            layers_per_block=1,
+            sample_size=8,
+            in_channels=4,
+            out_channels=4,
+            down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"),
+            up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"),
+            cross_attention_dim=8,
+            norm_num_groups=4,
+            attention_head_dim=2,
+        )
+
     # directory -> (build the model, save_pretrained kwargs); class to load each directory with
     builds = {
         "qwen2": (qwen2, {}),
@@ -125,9 +167,15 @@ def _classes():
         "vae": (vae, {}),
         "unet-sharded": (unet, {"max_shard_size": "12KB"}),
     }
-    classes = {"qwen2": mt.Qwen2ForCausalLM, "qwen2-sharded": mt.Qwen2ForCausalLM,
-               "mixtral": mt.MixtralForCausalLM, "vae": md.AutoencoderKL, "unet-sharded": md.UNet2DConditionModel,
-               "bad-qwen2": mt.Qwen2ForCausalLM, "bad-vae": md.AutoencoderKL}
+    classes = {
+        "qwen2": mt.Qwen2ForCausalLM,
+        "qwen2-sharded": mt.Qwen2ForCausalLM,
+        "mixtral": mt.MixtralForCausalLM,
+        "vae": md.AutoencoderKL,
+        "unet-sharded": md.UNet2DConditionModel,
+        "bad-qwen2": mt.Qwen2ForCausalLM,
+        "bad-vae": md.AutoencoderKL,
+    }
     return builds, classes
 
 
@@ -300,8 +348,9 @@ def worker(run, index, rounds, seed, kinds, loads, references, start_line):
                 run.end(round_done=True)
     except BaseException as exc:  # noqa: BLE001 - reported, and the other threads go on
         with run.lock:
-            run.unexpected.append((f"thread {index}", "".join(traceback.format_exception(type(exc), exc,
-                                                                                          exc.__traceback__))))
+            run.unexpected.append(
+                (f"thread {index}", "".join(traceback.format_exception(type(exc), exc, exc.__traceback__)))
+            )
 
 
 def toggler(run, toggles, stop):
@@ -346,8 +395,7 @@ def toggler(run, toggles, stop):
                     run.unexpected.append(("toggler", "ms_loadpatch.enable() returned False"))
     except BaseException as exc:  # noqa: BLE001
         with run.lock:
-            run.unexpected.append(("toggler", "".join(traceback.format_exception(type(exc), exc,
-                                                                                 exc.__traceback__))))
+            run.unexpected.append(("toggler", "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))))
     finally:
         if not ms_loadpatch.is_enabled():  # a failure between the two: leave the plugin as found
             ms_loadpatch.enable()
@@ -417,9 +465,12 @@ def leftover_state(before_threads, before_states):
     if CONSTRUCTION_LOCK.acquire(blocking=False):
         CONSTRUCTION_LOCK.release()
         free = []  # also from another thread: the lock is re-entrant for its owner
-        probe = threading.Thread(target=lambda: free.append(CONSTRUCTION_LOCK.acquire(blocking=False)
-                                                            and (CONSTRUCTION_LOCK.release() or True)),
-                                 name="stress-lock-probe")
+        probe = threading.Thread(
+            target=lambda: free.append(
+                CONSTRUCTION_LOCK.acquire(blocking=False) and (CONSTRUCTION_LOCK.release() or True)
+            ),
+            name="stress-lock-probe",
+        )
         probe.start()
         probe.join(10)
         if free != [True]:
@@ -434,8 +485,11 @@ def leftover_state(before_threads, before_states):
         found.append("the plugin is not enabled after the run")
     after_states = {key: state for key, (state, _) in core._PATCHER._states.items()}
     if after_states != before_states:
-        changed = {k: (before_states.get(k), after_states.get(k)) for k in before_states.keys() | after_states.keys()
-                   if before_states.get(k) != after_states.get(k)}
+        changed = {
+            k: (before_states.get(k), after_states.get(k))
+            for k in before_states.keys() | after_states.keys()
+            if before_states.get(k) != after_states.get(k)
+        }
         found.append(f"target states changed: {changed}")
     for key, handle in core._PATCHER._handles.items():
         target = next(t for t in core.TARGETS if t.key == key)
@@ -448,8 +502,10 @@ def leftover_state(before_threads, before_states):
 
     new = extra()
     if new:
-        notes.append("threads alive right after the run that were not before: "
-                     + ", ".join(f"{t.name} ({thread_origin(t)}{', daemon' if t.daemon else ''})" for t in new))
+        notes.append(
+            "threads alive right after the run that were not before: "
+            + ", ".join(f"{t.name} ({thread_origin(t)}{', daemon' if t.daemon else ''})" for t in new)
+        )
         deadline = time.monotonic() + 5
         while new and time.monotonic() < deadline:
             time.sleep(0.1)
@@ -465,21 +521,33 @@ def leftover_state(before_threads, before_states):
 
 
 def parse_args(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--threads", type=int, default=4, help="loading threads (default 4)")
     parser.add_argument("--rounds", type=int, default=25, help="loads per thread (default 25)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the threads' choices (default 0)")
-    parser.add_argument("--watchdog", type=float, default=120.0,
-                        help="seconds without a completed load that count as a stall (default 120)")
-    parser.add_argument("--loads", default=",".join(KIND_NAMES),
-                        help=f"comma-separated kinds to pick from (default and choices: {','.join(KIND_NAMES)})")
+    parser.add_argument(
+        "--watchdog",
+        type=float,
+        default=120.0,
+        help="seconds without a completed load that count as a stall (default 120)",
+    )
+    parser.add_argument(
+        "--loads",
+        default=",".join(KIND_NAMES),
+        help=f"comma-separated kinds to pick from (default and choices: {','.join(KIND_NAMES)})",
+    )
     parser.add_argument("--no-toggle", action="store_true", help="no disable()/enable() during the run")
-    parser.add_argument("--toggles", type=int, default=1,
-                        help="disable()/enable() pairs spread over the run (default 1: in the middle)")
-    parser.add_argument("--unpatched", action="store_true",
-                        help="the whole run with the plugin disabled, loads not serialised: mindone's own loads "
-                             "concurrently (expect a crash or mismatches: mindone is not thread-safe)")
+    parser.add_argument(
+        "--toggles", type=int, default=1, help="disable()/enable() pairs spread over the run (default 1: in the middle)"
+    )
+    parser.add_argument(
+        "--unpatched",
+        action="store_true",
+        help="the whole run with the plugin disabled, loads not serialised: mindone's own loads "
+        "concurrently (expect a crash or mismatches: mindone is not thread-safe)",
+    )
     parser.add_argument("--keep", action="store_true", help="keep the generated checkpoints' directory")
     args = parser.parse_args(argv)
     args.kinds = [k.strip() for k in args.loads.split(",") if k.strip()]
@@ -511,12 +579,14 @@ def main(argv=None):
         with run.lock:
             loads = ",".join(f"{k}:{n}" for k, n in sorted(run.loads.items())) or "none"
             failures = sum(run.expected_failures.values())
-            return (f"SUMMARY rounds={run.completed} threads={args.threads} loads={loads} "
-                    f"expected_failures={failures} unexpected_errors={len(run.unexpected)} "
-                    f"mismatches={len(run.mismatches)} stalls={stalls} leftovers={leftovers} "
-                    f"accelerated={sum(run.accelerated.values())} toggles={run.toggles} "
-                    f"started_disabled={run.started_disabled} serialized={run.serialized} "
-                    f"seconds={time.perf_counter() - started if seconds is None else seconds:.1f}")
+            return (
+                f"SUMMARY rounds={run.completed} threads={args.threads} loads={loads} "
+                f"expected_failures={failures} unexpected_errors={len(run.unexpected)} "
+                f"mismatches={len(run.mismatches)} stalls={stalls} leftovers={leftovers} "
+                f"accelerated={sum(run.accelerated.values())} toggles={run.toggles} "
+                f"started_disabled={run.started_disabled} serialized={run.serialized} "
+                f"seconds={time.perf_counter() - started if seconds is None else seconds:.1f}"
+            )
 
     try:
         # one process-wide routing of the kernels the CPU wheel lacks, for the whole run
@@ -529,8 +599,10 @@ def main(argv=None):
 
             setup = time.perf_counter()
             loads, references = prepare(root, args.kinds, log)
-            log(f"setup {time.perf_counter() - setup:.1f}s; {args.threads} threads x {args.rounds} rounds of "
-                f"{','.join(args.kinds)}, seed {args.seed}, {args.toggles} toggle(s), watchdog {args.watchdog:.0f}s")
+            log(
+                f"setup {time.perf_counter() - setup:.1f}s; {args.threads} threads x {args.rounds} rounds of "
+                f"{','.join(args.kinds)}, seed {args.seed}, {args.toggles} toggle(s), watchdog {args.watchdog:.0f}s"
+            )
 
             import wrapt
 
@@ -551,9 +623,14 @@ def main(argv=None):
             start_line = threading.Barrier(args.threads)
             dog = threading.Thread(target=watchdog, args=(run, stop, summary), name="stress-watchdog", daemon=True)
             dog.start()
-            pool = [threading.Thread(target=worker, name=f"stress-{i}",
-                                     args=(run, i, args.rounds, args.seed, args.kinds, loads, references, start_line))
-                    for i in range(args.threads)]
+            pool = [
+                threading.Thread(
+                    target=worker,
+                    name=f"stress-{i}",
+                    args=(run, i, args.rounds, args.seed, args.kinds, loads, references, start_line),
+                )
+                for i in range(args.threads)
+            ]
             if args.toggles:
                 pool.append(threading.Thread(target=toggler, args=(run, args.toggles, stop), name="stress-toggler"))
             for thread in pool:
@@ -565,7 +642,7 @@ def main(argv=None):
                 with run.lock:
                     run.workers_done = True
                     run.progressed.notify_all()
-                for thread in pool[args.threads:]:
+                for thread in pool[args.threads :]:
                     while thread.is_alive():
                         thread.join(1.0)
             finally:
@@ -593,8 +670,10 @@ def main(argv=None):
         print(f"NOTE {line}", flush=True)
     if run.expected_failures:
         log("expected failures: " + ", ".join(f"{k} x{n}" for k, n in sorted(run.expected_failures.items())))
-    log("accelerated loads: " + (", ".join(f"{k} {run.accelerated[k]}/{n}" for k, n in sorted(run.loads.items()))
-                                 or "none"))
+    log(
+        "accelerated loads: "
+        + (", ".join(f"{k} {run.accelerated[k]}/{n}" for k, n in sorted(run.loads.items())) or "none")
+    )
     if run.toggle_seconds:
         log("disable() took " + ", ".join(f"{s:.2f}s" for s in run.toggle_seconds))
     print(summary(leftovers=len(found), seconds=seconds), flush=True)

@@ -22,5 +22,6 @@ def last_report():
     context = sys.modules.get("ms_loadpatch.strategy.context")
     return context.last_report() if context is not None else None
 
+
 if not activation.switched_off():
     enable()

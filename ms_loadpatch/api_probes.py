@@ -51,8 +51,9 @@ def _probe_cell_to(ms) -> str | None:
             for index in range(2):
                 cell = ms.nn.Cell()
                 cell.shared = shared
-                cell.count = ms.Parameter(ms.Tensor(np.arange(3, dtype=np.int32)), name=f"count{index}",
-                                          requires_grad=False)
+                cell.count = ms.Parameter(
+                    ms.Tensor(np.arange(3, dtype=np.int32)), name=f"count{index}", requires_grad=False
+                )
                 cell.register_buffer("scale", ms.Tensor(np.full(2, 1 / 3, dtype=np.float32)))
                 cell.register_buffer("steps", ms.Tensor(np.arange(2, dtype=np.int64)))
                 cells.append(cell)
@@ -65,8 +66,12 @@ def _probe_cell_to(ms) -> str | None:
             out = {}
             for prefix, cell in root.cells_and_names():
                 for attr, param in cell._params.items():
-                    out[f"{prefix}.{attr}"] = (id(param), str(param.dtype), bool(param.has_init),
-                                              None if param.has_init else param.astype(ms.float32).asnumpy().tolist())
+                    out[f"{prefix}.{attr}"] = (
+                        id(param),
+                        str(param.dtype),
+                        bool(param.has_init),
+                        None if param.has_init else param.astype(ms.float32).asnumpy().tolist(),
+                    )
                 for attr, buffer in cell._buffers.items():
                     out[f"{prefix}.{attr}"] = (str(buffer.dtype), buffer.astype(ms.float32).asnumpy().tolist())
             return out
@@ -172,8 +177,12 @@ def probe_adoption(ms) -> str | None:
         for array in (np.arange(6, dtype=np.float32).reshape(2, 3), np.arange(4, dtype=np.float16)):
             real = ms.Parameter(array.copy(), name="probe")
             fast = adopted_parameter(array, "probe")
-            if type(fast) is not type(real) or fast.has_init or not np.array_equal(fast.asnumpy(), array) \
-                    or fast.dtype != real.dtype:
+            if (
+                type(fast) is not type(real)
+                or fast.has_init
+                or not np.array_equal(fast.asnumpy(), array)
+                or fast.dtype != real.dtype
+            ):
                 return "the Parameter does not hold the array's values"
             array[0] = 7  # shared, seen through the Parameter (data_ptr() is 0 for a host tensor on some versions)
             if fast.asnumpy().reshape(-1)[0] != 7:
@@ -209,8 +218,12 @@ def probe_lazy_assign(ms) -> str | None:
             if not fast.has_init or not taken_as_copy(fast, value):
                 return "a lazy parameter does not take the copy"
             settle_filled(fast)
-            if fast.has_init or fast.dtype != real.dtype or fast.shape != real.shape \
-                    or not np.array_equal(fast.asnumpy(), real.asnumpy()):
+            if (
+                fast.has_init
+                or fast.dtype != real.dtype
+                or fast.shape != real.shape
+                or not np.array_equal(fast.asnumpy(), real.asnumpy())
+            ):
                 return "the parameter does not hold the value as assign_value leaves it"
             value.assign_value(ms.Tensor(np.zeros(shape, dtype=np.float32), dtype=dtype))
             if not np.array_equal(fast.asnumpy(), real.asnumpy()):
@@ -218,8 +231,15 @@ def probe_lazy_assign(ms) -> str | None:
             ours, theirs = ({k: str(v) for k, v in vars(p).items() if k != "_param_info"} for p in (fast, real))
             if ours != theirs:
                 return f"its attributes differ from assign_value's: {sorted(ours.items() ^ theirs.items())}"
-            for attribute in ("name", "requires_grad", "sliced", "init", "init_flag", "layerwise_parallel",
-                              "init_mode"):
+            for attribute in (
+                "name",
+                "requires_grad",
+                "sliced",
+                "init",
+                "init_flag",
+                "layerwise_parallel",
+                "init_mode",
+            ):
                 if getattr(fast, attribute) != getattr(real, attribute):
                     return f"its {attribute} differs from assign_value's"
     except Exception as exc:  # an internal it relies on changed
@@ -244,9 +264,16 @@ def probe(ms) -> tuple[tuple[str, ...], tuple[Problem, ...], dict]:
     """(why `ms` cannot take the fast path at all, the Problems that skip one
     library's or one technique's fast path, optional features present); empty when it can."""
     problems = []
-    lacking = [(owner, attribute) for owner, attribute in (("Parameter", "set_data"), ("Parameter", "init_data"),
-                                                           ("Tensor", "set_dtype"), ("Tensor", "from_numpy"))
-               if not callable(getattr(getattr(ms, owner, None), attribute, None))]
+    lacking = [
+        (owner, attribute)
+        for owner, attribute in (
+            ("Parameter", "set_data"),
+            ("Parameter", "init_data"),
+            ("Tensor", "set_dtype"),
+            ("Tensor", "from_numpy"),
+        )
+        if not callable(getattr(getattr(ms, owner, None), attribute, None))
+    ]
     problems += [f"lacks {owner}.{attribute}" for owner, attribute in lacking]
     try:
         from mindspore.nn import utils as nn_utils
@@ -263,13 +290,19 @@ def probe(ms) -> tuple[tuple[str, ...], tuple[Problem, ...], dict]:
     if not problems:
         failed = _probe_fill(ms)
         if failed is not None:
-            library_problems.append(Problem(LAZY_FILL, ("transformers",),
-                                            f"filling a lazy parameter: its probe failed ({failed})"))
+            library_problems.append(
+                Problem(LAZY_FILL, ("transformers",), f"filling a lazy parameter: its probe failed ({failed})")
+            )
         failed = _probe_draws()
         if failed is not None:
-            library_problems.append(Problem(RANDOM_DRAWS, ("transformers",),
-                                            "taking the random draws of lazy parameters (the unpatched build runs "
-                                            f"every initializer): its probe failed ({failed})"))
+            library_problems.append(
+                Problem(
+                    RANDOM_DRAWS,
+                    ("transformers",),
+                    "taking the random draws of lazy parameters (the unpatched build runs "
+                    f"every initializer): its probe failed ({failed})",
+                )
+            )
     cell = getattr(getattr(ms, "nn", None), "Cell", None)
     features = {"cell_to": cell is not None and "to" in vars(cell)}
     for name in _MIXIN_METHODS:
@@ -279,10 +312,16 @@ def probe(ms) -> tuple[tuple[str, ...], tuple[Problem, ...], dict]:
             failed = _probe_cell_to(ms)
             if failed is None:
                 continue
-            problem = Problem(CELL_TO, ("transformers",),
-                              f"nn.Cell.to shadows mindone's ModuleUtilsMixin.to and its probe failed ({failed})")
+            problem = Problem(
+                CELL_TO,
+                ("transformers",),
+                f"nn.Cell.to shadows mindone's ModuleUtilsMixin.to and its probe failed ({failed})",
+            )
         else:
-            problem = Problem(MIXIN_METHODS, ("transformers",), f"nn.Cell.{name} shadows mindone's "
-                                                                f"ModuleUtilsMixin.{name}, which the fast path patches")
+            problem = Problem(
+                MIXIN_METHODS,
+                ("transformers",),
+                f"nn.Cell.{name} shadows mindone's ModuleUtilsMixin.{name}, which the fast path patches",
+            )
         library_problems.append(problem)
     return tuple(problems), tuple(library_problems), features

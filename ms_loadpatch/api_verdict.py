@@ -147,28 +147,50 @@ class ApiVerdict:
         from .api_probes import CELL_TO, RANDOM_DRAWS
 
         own = self.draws_problem
-        rows.append({"name": RANDOM_DRAWS, "libraries": list(versions.LIBRARIES),
-                     "description": "a lazily built parameter takes, when made, the numpy draws of the initializer "
-                                    "the unpatched build runs; one the checkpoint lacks is filled with them "
-                                    "(probed against plain builds)",
-                     "state": SKIPPED if own or everywhere else ACTIVE, "reason": own or everywhere})
-        rows.append({"name": "adopted-parameters", "libraries": ["diffusers"],
-                     "description": "a single-file checkpoint read inside from_single_file becomes Parameters over "
-                                    "the read buffer, not copies (probed against Parameter(array))",
-                     "state": SKIPPED if self.adoption_problem or everywhere else ACTIVE,
-                     "reason": self.adoption_problem or everywhere})
-        rows.append({"name": "lazy-assign", "libraries": list(versions.LIBRARIES),
-                     "description": "inside a call that builds then fills, assign_value into a lazy parameter "
-                                    "(Cell.load_state_dict) takes a copy without the random fill it overwrites "
-                                    "(probed against assign_value on a plain parameter; else filled, then assigned)",
-                     "state": SKIPPED if self.lazy_assign_problem or everywhere else ACTIVE,
-                     "reason": self.lazy_assign_problem or everywhere})
+        rows.append(
+            {
+                "name": RANDOM_DRAWS,
+                "libraries": list(versions.LIBRARIES),
+                "description": "a lazily built parameter takes, when made, the numpy draws of the initializer "
+                "the unpatched build runs; one the checkpoint lacks is filled with them "
+                "(probed against plain builds)",
+                "state": SKIPPED if own or everywhere else ACTIVE,
+                "reason": own or everywhere,
+            }
+        )
+        rows.append(
+            {
+                "name": "adopted-parameters",
+                "libraries": ["diffusers"],
+                "description": "a single-file checkpoint read inside from_single_file becomes Parameters over "
+                "the read buffer, not copies (probed against Parameter(array))",
+                "state": SKIPPED if self.adoption_problem or everywhere else ACTIVE,
+                "reason": self.adoption_problem or everywhere,
+            }
+        )
+        rows.append(
+            {
+                "name": "lazy-assign",
+                "libraries": list(versions.LIBRARIES),
+                "description": "inside a call that builds then fills, assign_value into a lazy parameter "
+                "(Cell.load_state_dict) takes a copy without the random fill it overwrites "
+                "(probed against assign_value on a plain parameter; else filled, then assigned)",
+                "state": SKIPPED if self.lazy_assign_problem or everywhere else ACTIVE,
+                "reason": self.lazy_assign_problem or everywhere,
+            }
+        )
         if self.features.get("cell_to"):
             own = self.problem_of(CELL_TO)
-            rows.append({"name": CELL_TO, "libraries": ["transformers"],
-                         "description": "nn.Cell.to inside an accelerated load leaves lazy parameters unread "
-                                        "(probed against nn.Cell.to)",
-                         "state": SKIPPED if own or everywhere else ACTIVE, "reason": own or everywhere})
+            rows.append(
+                {
+                    "name": CELL_TO,
+                    "libraries": ["transformers"],
+                    "description": "nn.Cell.to inside an accelerated load leaves lazy parameters unread "
+                    "(probed against nn.Cell.to)",
+                    "state": SKIPPED if own or everywhere else ACTIVE,
+                    "reason": own or everywhere,
+                }
+            )
         return rows
 
     def refusal_for(self, library: str) -> str | None:
@@ -176,8 +198,9 @@ class ApiVerdict:
         own = tuple(problem.reason for problem in self.library_problems if library in problem.libraries)
         if not self.problems and not own:
             return None
-        return (f"mindspore {self.mindspore} cannot take the mindone.{library} fast path: "
-                f"{'; '.join(self.problems + own)}")
+        return (
+            f"mindspore {self.mindspore} cannot take the mindone.{library} fast path: {'; '.join(self.problems + own)}"
+        )
 
 
 @functools.lru_cache(maxsize=None)

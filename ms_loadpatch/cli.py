@@ -72,8 +72,9 @@ def _print_status(report: dict) -> None:
     else:
         print("(--no-import: mindspore and mindone not imported, probes not run)")
     for library, verdict in report["libraries"].items():
-        names = ", ".join(row["name"] for row in report["techniques"]
-                          if row["state"] == "active" and library in row["libraries"])
+        names = ", ".join(
+            row["name"] for row in report["techniques"] if row["state"] == "active" and library in row["libraries"]
+        )
         error = next((e for m, e in imported["errors"].items() if m == f"mindone.{library}" or m == "mindspore"), None)
         if verdict["accelerated"]:
             line = "accelerated" + (f" (techniques: {names})" if names else "")
@@ -90,8 +91,10 @@ def _print_status(report: dict) -> None:
         print(f"warning: {untested}; accepted because {report['activation']['allow_untested_var']} is set")
     activation = report["activation"]
     hook = "installed" if activation["pth_installed"] else "not installed: use ms-loadpatch run"
-    print(f"\nturned on by: import ms_loadpatch, or {activation['env_var']}=1 (currently "
-          f"{activation['env_value']!r}; .pth hook {hook})")
+    print(
+        f"\nturned on by: import ms_loadpatch, or {activation['env_var']}=1 (currently "
+        f"{activation['env_value']!r}; .pth hook {hook})"
+    )
     _print_lazy_import(report["lazy_import"])
     print("\nversions:")
     for name, version in report["versions"].items():
@@ -99,8 +102,10 @@ def _print_status(report: dict) -> None:
         print(f"  {name} {version or 'not installed'} (supported {report['supported'][name]}; tested {tested})")
     python = report["python"]  # the running one
     untested = "" if python["tested_here"] else f", not {python['version'].rsplit('.', 1)[0]}"
-    print(f"  python {python['version']} (supported {python['supported']}; tested {', '.join(python['tested'])}"
-          f"{untested})")
+    print(
+        f"  python {python['version']} (supported {python['supported']}; tested {', '.join(python['tested'])}"
+        f"{untested})"
+    )
     if report["refusal"]:
         print(f"  refused: {report['refusal']}")
     for library in report["libraries"]:
@@ -125,10 +130,15 @@ def _print_status(report: dict) -> None:
     build = report.get("last_build")
     if build is not None:
         start = build["engaged_at"]
-        print("\nlast build in this process: "
-              + ("built plainly (fewer cells than the start cell)" if start is None else
-                 f"fast construction from cell {start}, {build['cells_copied']} cells copied from recipes")
-              + f", {build.get('host_tensors', 0)} factory tensors made on the host")
+        print(
+            "\nlast build in this process: "
+            + (
+                "built plainly (fewer cells than the start cell)"
+                if start is None
+                else f"fast construction from cell {start}, {build['cells_copied']} cells copied from recipes"
+            )
+            + f", {build.get('host_tensors', 0)} factory tensors made on the host"
+        )
         for name, reason in build["not_copied"].items():
             print(f"  built plainly: {name}: {reason}")
 
@@ -187,9 +197,13 @@ def _cmd_bench(args) -> int:
 
 
 def _add_load_options(parser, dtypes) -> None:
-    parser.add_argument("--class", dest="class_name", metavar="NAME",
-                        help="model class: a mindone.transformers / mindone.diffusers name, or module:Class "
-                        "(default: from config.json, `architectures[0]` or `_class_name`)")
+    parser.add_argument(
+        "--class",
+        dest="class_name",
+        metavar="NAME",
+        help="model class: a mindone.transformers / mindone.diffusers name, or module:Class "
+        "(default: from config.json, `architectures[0]` or `_class_name`)",
+    )
     parser.add_argument("--dtype", choices=dtypes, help="dtype passed to from_pretrained")
     parser.add_argument("--subfolder", default="", metavar="S", help="model inside PATH, e.g. a pipeline's unet")
 
@@ -205,11 +219,16 @@ def build_parser() -> argparse.ArgumentParser:
     run.set_defaults(func=_cmd_run)
 
     status = sub.add_parser(
-        "status", help="will loads be accelerated here: a verdict per library, then entry points, techniques, versions",
-        description="Imports mindspore and mindone (as a load would), applies the targets and runs every probe.")
+        "status",
+        help="will loads be accelerated here: a verdict per library, then entry points, techniques, versions",
+        description="Imports mindspore and mindone (as a load would), applies the targets and runs every probe.",
+    )
     status.add_argument("--json", action="store_true", help="print everything as JSON (README: status --json)")
-    status.add_argument("--no-import", action="store_true",
-                        help="do not import mindspore or mindone (fast; targets then show as pending, probes not run)")
+    status.add_argument(
+        "--no-import",
+        action="store_true",
+        help="do not import mindspore or mindone (fast; targets then show as pending, probes not run)",
+    )
     status.add_argument("--import-mindone", action="store_true", help=argparse.SUPPRESS)  # the default since 0.2
     status.set_defaults(func=_cmd_status, enable=True)
 
@@ -229,24 +248,46 @@ def build_parser() -> argparse.ArgumentParser:
         help="time unpatched vs patched from_pretrained (default: a built-in generated checkpoint)",
         description="Each load runs in a fresh process; the timed region ends after every weight was touched.",
     )
-    bench.add_argument("path", metavar="PATH", nargs="?", help="checkpoint directory (default: a built-in one, "
-                       "generated once into $MS_LOADPATCH_CACHE or ~/.cache/ms_loadpatch)")
+    bench.add_argument(
+        "path",
+        metavar="PATH",
+        nargs="?",
+        help="checkpoint directory (default: a built-in one, "
+        "generated once into $MS_LOADPATCH_CACHE or ~/.cache/ms_loadpatch)",
+    )
     _add_load_options(bench, dtypes)
-    bench.add_argument("--single-file", metavar="FILE", help="load FILE (in the model's directory) with "
-                       "from_single_file instead of from_pretrained (mindone.diffusers models)")
+    bench.add_argument(
+        "--single-file",
+        metavar="FILE",
+        help="load FILE (in the model's directory) with "
+        "from_single_file instead of from_pretrained (mindone.diffusers models)",
+    )
     bench.add_argument("--json", metavar="FILE", help="also write the results as JSON")
     # 1 by default: each load is a fresh process paying ~7 s of imports, and
     # the no-argument bench must stay well under a minute on 2 cores
-    bench.add_argument("--repeats", type=int, default=1, metavar="N",
-                       help="loads per side, each in a fresh process; the median is shown (default 1)")
-    bench.add_argument("--size", choices=("tiny", "default"), default="default",
-                       help="size of the built-in checkpoint (when no PATH)")
-    bench.add_argument("--cold", action="store_true",
-                       help="give the checkpoint's pages back to the OS (posix_fadvise, no root) before each timed "
-                            "part, and time cold sequential and parallel reads of its files beside the loads")
-    bench.add_argument("--memory", choices=MEMORY_MODES, default="primed",
-                       help="primed (default): every process faults in and frees memory before each timed part; "
-                            "as-is: count the machine's first-touch cost of fresh memory (large on some VMs)")
+    bench.add_argument(
+        "--repeats",
+        type=int,
+        default=1,
+        metavar="N",
+        help="loads per side, each in a fresh process; the median is shown (default 1)",
+    )
+    bench.add_argument(
+        "--size", choices=("tiny", "default"), default="default", help="size of the built-in checkpoint (when no PATH)"
+    )
+    bench.add_argument(
+        "--cold",
+        action="store_true",
+        help="give the checkpoint's pages back to the OS (posix_fadvise, no root) before each timed "
+        "part, and time cold sequential and parallel reads of its files beside the loads",
+    )
+    bench.add_argument(
+        "--memory",
+        choices=MEMORY_MODES,
+        default="primed",
+        help="primed (default): every process faults in and frees memory before each timed part; "
+        "as-is: count the machine's first-touch cost of fresh memory (large on some VMs)",
+    )
     bench.set_defaults(func=_cmd_bench)
     return parser
 

@@ -165,8 +165,7 @@ class _Patcher:
             "python": versions.python_status(),
             "refusal": gate.refusal,
             "untested": list(gate.untested),
-            "libraries": {library: _library_verdict(library, enabled, gate, targets)
-                          for library in versions.LIBRARIES},
+            "libraries": {library: _library_verdict(library, enabled, gate, targets) for library in versions.LIBRARIES},
             "techniques": techniques.status_rows() if gate.ok else [],
             "last_build": techniques.last_build(),
             "targets": targets,
@@ -217,8 +216,9 @@ class _Patcher:
                 else:
                     # enabled: a copy bound elsewhere by name keeps the wrapper after
                     # disable(); wrapt then calls the original straight through
-                    handle = wrapt.wrap_object(module, target.path, wrapt.FunctionWrapper,
-                                               (wrapper,), {"enabled": self.is_enabled})
+                    handle = wrapt.wrap_object(
+                        module, target.path, wrapt.FunctionWrapper, (wrapper,), {"enabled": self.is_enabled}
+                    )
                 self._handles[target.key] = handle
             except Exception as exc:  # a missing attribute must not break the user's import
                 self._states[target.key] = (SKIPPED, f"cannot patch: {exc}")
@@ -246,21 +246,27 @@ def _library_verdict(library: str, enabled: bool, gate: versions.GateResult, tar
     skipped = [row for row in own if row["state"] == SKIPPED]
     if missing:
         verdict["reason"] = f"{' and '.join(missing)} not installed"
-        verdict["advice"] = ("install the tested versions with: pip install 'ms-loadpatch[mindone]' "
-                             f"(mindspore {versions.tested_versions('mindspore')}; "
-                             f"mindone {versions.tested_versions('mindone')})")
+        verdict["advice"] = (
+            "install the tested versions with: pip install 'ms-loadpatch[mindone]' "
+            f"(mindspore {versions.tested_versions('mindspore')}; "
+            f"mindone {versions.tested_versions('mindone')})"
+        )
     elif not gate.ok:
         verdict["reason"] = gate.refusal
-        verdict["advice"] = (f"install a tested version (mindspore {versions.tested_versions('mindspore')}; "
-                             f"mindone {versions.tested_versions('mindone')}), or set "
-                             f"{versions.ALLOW_UNTESTED_ENV_VAR}=1 to try this one at your own risk")
+        verdict["advice"] = (
+            f"install a tested version (mindspore {versions.tested_versions('mindspore')}; "
+            f"mindone {versions.tested_versions('mindone')}), or set "
+            f"{versions.ALLOW_UNTESTED_ENV_VAR}=1 to try this one at your own risk"
+        )
     elif not enabled:
         verdict["reason"] = "ms_loadpatch is not enabled in this process"
         verdict["advice"] = "import ms_loadpatch, set MS_LOADPATCH=1, or run under `ms-loadpatch run --`"
     elif skipped:
         verdict["reason"] = f"{skipped[0]['target']} skipped: {skipped[0]['reason']}"
-        verdict["advice"] = (f"loads run mindone's own path; a tested mindspore "
-                             f"({versions.tested_versions('mindspore')}) gets the fast path")
+        verdict["advice"] = (
+            f"loads run mindone's own path; a tested mindspore "
+            f"({versions.tested_versions('mindspore')}) gets the fast path"
+        )
     elif any(row["state"] == PENDING for row in own if row["target"] == FROM_PRETRAINED[library]):
         # other modules' entry points (from_unet, adapters, ...) are patched when they are imported
         verdict["accelerated"] = None

@@ -64,9 +64,12 @@ class _EagerImportScan:
 
         if _EagerImportScan._LINE is None:
             _EagerImportScan._LINE = re.compile(
-                r"([ \t]*)(?:from[ \t]+(\.*)([\w.]*)[ \t]+import\b[ \t]*(\([^)]*\)|[^\n;#]*)|import[ \t]+([^\n;#]*))")
-            _EagerImportScan._HEADER = re.compile(r"(async[ \t]+def|def|class|if|elif|else|try|except|finally|with"
-                                                  r"|for|while)\b[ \t]*(.*?)[ \t]*:?[ \t]*$")
+                r"([ \t]*)(?:from[ \t]+(\.*)([\w.]*)[ \t]+import\b[ \t]*(\([^)]*\)|[^\n;#]*)|import[ \t]+([^\n;#]*))"
+            )
+            _EagerImportScan._HEADER = re.compile(
+                r"(async[ \t]+def|def|class|if|elif|else|try|except|finally|with"
+                r"|for|while)\b[ \t]*(.*?)[ \t]*:?[ \t]*$"
+            )
         self.top, self.lazy = top, lazy
         self.roots = self.lazy.roots(top)
         self.top_dir = os.path.dirname(sys.modules[self.top].__file__)
@@ -87,7 +90,7 @@ class _EagerImportScan:
         bound = {}
         for root in self.roots:
             prefix = root + "."
-            names = {m[len(prefix):].split(".")[0] for m in self.imported if m.startswith(prefix)}
+            names = {m[len(prefix) :].split(".")[0] for m in self.imported if m.startswith(prefix)}
             bound[root] = frozenset(names | self.stars.get(root, set()))
         return bound
 
@@ -108,8 +111,11 @@ class _EagerImportScan:
                 listed = self._literal_all(module)
                 if listed is None and importer in self.stars:  # exports the submodules bound by then
                     prefix = module + "."
-                    self.stars[importer].update(m[len(prefix):] for m in self.imported if m.startswith(prefix)
-                                                and "." not in m[len(prefix):] and not m[len(prefix):].startswith("_"))
+                    self.stars[importer].update(
+                        m[len(prefix) :]
+                        for m in self.imported
+                        if m.startswith(prefix) and "." not in m[len(prefix) :] and not m[len(prefix) :].startswith("_")
+                    )
                 for child in listed or ():  # those __all__ names are imported
                     if self._file(f"{module}.{child}") is not None:
                         self.import_(f"{module}.{child}")
@@ -199,7 +205,7 @@ class _EagerImportScan:
                 targets = [t for t in targets if t[0] == top or t[0].startswith(top + ".")]
             elif dots:
                 parts = package.split(".")
-                base = ".".join(parts[:len(parts) - len(dots) + 1])
+                base = ".".join(parts[: len(parts) - len(dots) + 1])
                 targets = [(f"{base}.{name}" if name else base, None)]
             elif name == top or name.startswith(top + "."):
                 targets = [(name, None)]

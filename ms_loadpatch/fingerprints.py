@@ -23,13 +23,11 @@ _DF_LOADING = "mindone.diffusers.models.model_loading_utils"
 # name -> (library, module, qualified name, sha256 of its source, first 16 hex digits)
 REPEATED = {
     "transformers.init_weights": ("transformers", _TF, "PreTrainedModel.init_weights", "49f0cd04178b768c"),
-    "transformers.initialize_weights": ("transformers", _TF, "PreTrainedModel._initialize_weights",
-                                        "d10d3f8322629b63"),
+    "transformers.initialize_weights": ("transformers", _TF, "PreTrainedModel._initialize_weights", "d10d3f8322629b63"),
     "transformers.tie_weights": ("transformers", _TF, "PreTrainedModel.tie_weights", "82c28d7d7151676a"),
     "transformers.convert_state_dict": ("transformers", _TF, "_convert_state_dict", "84fdfef36f4f71de"),
     "transformers.load_state_dict": ("transformers", _TF, "load_state_dict", "687a371713fe0324"),
-    "transformers.load_state_dict_into_model": ("transformers", _TF, "_load_state_dict_into_model",
-                                                "f0226e89bb0f66ed"),
+    "transformers.load_state_dict_into_model": ("transformers", _TF, "_load_state_dict_into_model", "f0226e89bb0f66ed"),
     "transformers.half": ("transformers", _TF, "ModuleUtilsMixin.half", "0cc14b4ce54dc82e"),
     "transformers.float": ("transformers", _TF, "ModuleUtilsMixin.float", "2d26d49d40efb2a2"),
     "transformers.to": ("transformers", _TF, "ModuleUtilsMixin.to", "89b80facc895c437"),
@@ -70,9 +68,14 @@ def changed(name: str) -> str | None:
         if name not in _checked:
             try:
                 found = source_hash(_original(module_name, qualname))
-                reason = None if found == expected else (
-                    f"{module_name}.{qualname} is not the code ms_loadpatch repeats (source {found}, "
-                    f"expected {expected}): mindone.{library} loads run mindone's own path")
+                reason = (
+                    None
+                    if found == expected
+                    else (
+                        f"{module_name}.{qualname} is not the code ms_loadpatch repeats (source {found}, "
+                        f"expected {expected}): mindone.{library} loads run mindone's own path"
+                    )
+                )
             except Exception as exc:  # noqa: BLE001 - a function gone or without source: not the code repeated
                 reason = f"{module_name}.{qualname} cannot be checked ({type(exc).__name__}: {exc})"
             _checked[name] = reason
@@ -101,11 +104,17 @@ def rows() -> list[dict]:
             parts.append(f"{library}: checked when its modules are imported")
         else:
             parts.append(f"{library}: the {len(names)} functions' source as repeated")
-    return [{"name": "repeated-mindone-code", "libraries": list(libraries),
-             "description": "mindone functions the glue repeats instead of calling (key conversion, init pass, "
-                            "tie_weights, casts, reads), checked by the hash of their source; a library whose "
-                            "code differs loads on mindone's own path",
-             "state": SKIPPED if skipped else ACTIVE, "reason": "; ".join(parts)}]
+    return [
+        {
+            "name": "repeated-mindone-code",
+            "libraries": list(libraries),
+            "description": "mindone functions the glue repeats instead of calling (key conversion, init pass, "
+            "tie_weights, casts, reads), checked by the hash of their source; a library whose "
+            "code differs loads on mindone's own path",
+            "state": SKIPPED if skipped else ACTIVE,
+            "reason": "; ".join(parts),
+        }
+    ]
 
 
 def forget() -> None:

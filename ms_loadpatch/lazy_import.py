@@ -83,8 +83,11 @@ def install() -> None:
             return
         for name in versions.LAZY_IMPORT_PACKAGES:
             if name in sys.modules and name not in _packages:
-                _packages[name] = {"state": "eager", "reason": "imported before ms_loadpatch was enabled",
-                                   "modules": ()}
+                _packages[name] = {
+                    "state": "eager",
+                    "reason": "imported before ms_loadpatch was enabled",
+                    "modules": (),
+                }
         if not _hooks_registered:
             import wrapt
 
@@ -115,13 +118,25 @@ def status() -> dict:
         row = _packages.get(name)
         if row is None:
             state = "not imported" if name not in sys.modules else "eager"
-            row = {"state": state, "reason": "" if state != "eager" else "imported while ms_loadpatch was not enabled",
-                   "modules": ()}
+            row = {
+                "state": state,
+                "reason": "" if state != "eager" else "imported while ms_loadpatch was not enabled",
+                "modules": (),
+            }
         modules = row["modules"]
-        packages[name] = {"state": row["state"], "reason": row["reason"], "deferred": len(modules),
-                          "imported_since": sum(m in sys.modules for m in modules)}
-    return {"on": _installed and reason is None, "reason": reason or ("" if _installed else "ms_loadpatch not enabled"),
-            "env_var": ENV_VAR, "packages": packages, "side_effect_errors": dict(_side_effect_errors)}
+        packages[name] = {
+            "state": row["state"],
+            "reason": row["reason"],
+            "deferred": len(modules),
+            "imported_since": sum(m in sys.modules for m in modules),
+        }
+    return {
+        "on": _installed and reason is None,
+        "reason": reason or ("" if _installed else "ms_loadpatch not enabled"),
+        "env_var": ENV_VAR,
+        "packages": packages,
+        "side_effect_errors": dict(_side_effect_errors),
+    }
 
 
 def _import_writers(reader) -> None:
@@ -161,8 +176,11 @@ class _Finder:
         if spec is None:
             return None
         if type(spec.loader) is not importlib.machinery.SourceFileLoader or not spec.submodule_search_locations:
-            _packages[fullname] = {"state": "eager", "modules": (),
-                                   "reason": f"loaded by {type(spec.loader).__name__}, not from its source file"}
+            _packages[fullname] = {
+                "state": "eager",
+                "modules": (),
+                "reason": f"loaded by {type(spec.loader).__name__}, not from its source file",
+            }
             return spec
         spec.loader = _LazyInitLoader(spec.loader.name, spec.loader.path)
         return spec
@@ -212,15 +230,17 @@ class LazyPackage(types.ModuleType):
         return sorted(names)
 
 
-
 class LazyPackagesView:
     """What eager_import_scan reads of the lazy packages (it imports nothing of this module)."""
 
     @staticmethod
     def roots(top) -> list[str]:
         """The lazy packages under the top-level package `top`, sorted."""
-        return sorted(n for n, row in list(_packages.items())
-                      if row["state"] == "lazy" and n in _plans and (n + ".").startswith(top + "."))
+        return sorted(
+            n
+            for n, row in list(_packages.items())
+            if row["state"] == "lazy" and n in _plans and (n + ".").startswith(top + ".")
+        )
 
     @staticmethod
     def executed(name):

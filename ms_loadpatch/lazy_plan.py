@@ -64,8 +64,16 @@ class Plan:
                 steps.append(self._import_step(ast, node, index))
             elif isinstance(node, ast.If) and self._has_relative_import(ast, node):
                 test = compile(ast.Expression(node.test), path, "eval")
-                steps.append(("if", index, test, self._needs(ast, node.test),
-                              self._steps(ast, node.body, path, counter), self._steps(ast, node.orelse, path, counter)))
+                steps.append(
+                    (
+                        "if",
+                        index,
+                        test,
+                        self._needs(ast, node.test),
+                        self._steps(ast, node.body, path, counter),
+                        self._steps(ast, node.orelse, path, counter),
+                    )
+                )
             else:  # runs as it is, in order (a nested relative import is then eager, as written)
                 code = compile(ast.Module([node], []), path, "exec", dont_inherit=True)
                 steps.append(("exec", index, code, self._needs(ast, node)))
@@ -86,7 +94,7 @@ class Plan:
         parts = self.name.split(".")
         if node.level > len(parts):
             raise Unsupported(f"line {node.lineno}: relative import beyond the top-level package")
-        base = ".".join(parts[:len(parts) - node.level + 1])
+        base = ".".join(parts[: len(parts) - node.level + 1])
         module = f"{base}.{node.module}" if node.module else base
         bindings = []
         child = self._child_of(module)
@@ -114,7 +122,7 @@ class Plan:
     def _child_of(self, module):
         if not module.startswith(self.name + "."):
             return None
-        child = module[len(self.name) + 1:].split(".")[0]
+        child = module[len(self.name) + 1 :].split(".")[0]
         if child not in self._child_names():
             raise Unsupported(f"{self.name}.{child} not found next to the __init__")
         return child
@@ -125,7 +133,7 @@ class Plan:
         return self._children
 
     def _file_of(self, module):
-        parts = module[len(self.name) + 1:].split(".")
+        parts = module[len(self.name) + 1 :].split(".")
         path = os.path.join(self.directory, *parts)
         for candidate in (os.path.join(path, "__init__.py"), path + ".py"):
             if os.path.isfile(candidate):
@@ -188,7 +196,7 @@ class Plan:
                 self._run(module, step[4] if eval(step[2], namespace) else step[5])
 
     def _resolve_needs(self, module, needs):
-        for name in (list(self.table) if needs is None else [n for n in needs if n in self.table]):
+        for name in list(self.table) if needs is None else [n for n in needs if n in self.table]:
             self.resolve(module, name)
 
     def _bound_by_statement(self, namespace, index):
@@ -219,8 +227,11 @@ class Plan:
 
     def _may_exist_eagerly(self, name):
         # only a submodule (bound by whatever imports it) can be there beyond the table
-        return (not self.complete and not (name.startswith("__") and name.endswith("__"))
-                and (name in self._child_names() or name in self.star_children))
+        return (
+            not self.complete
+            and not (name.startswith("__") and name.endswith("__"))
+            and (name in self._child_names() or name in self.star_children)
+        )
 
     def resolve(self, module, name):
         binding = self.table.get(name)
@@ -309,9 +320,9 @@ def literal_all(ast, source):
     start = found[0].start()
     end = source.find("]" if opening.group(1) == "[" else ")", start)
     line_end = source.find("\n", end)
-    if end < 0 or source[end + 1:line_end if line_end >= 0 else None].split("#")[0].strip():
+    if end < 0 or source[end + 1 : line_end if line_end >= 0 else None].split("#")[0].strip():
         raise Unsupported("__all__ is not one top-level literal")
-    names = ast.literal_eval(source[source.index("=", start) + 1:end + 1].strip())
+    names = ast.literal_eval(source[source.index("=", start) + 1 : end + 1].strip())
     if not all(isinstance(n, str) for n in names):
         raise Unsupported("__all__ holds a non-string")
     return list(names)

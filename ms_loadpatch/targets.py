@@ -90,40 +90,53 @@ TARGETS: tuple[Target, ...] = (
     Target("mindone.diffusers.loaders.lora_base", "load_state_dict", f"{_DF_GLUE}:load_state_dict"),
     Target("mindone.diffusers.loaders.single_file_utils", "load_state_dict", f"{_DF_GLUE}:load_state_dict"),
     # construction outside from_pretrained waits for any lazy-construction window
-    Target("mindone.diffusers.configuration_utils", "ConfigMixin.from_config", f"{_GLUE}:from_config",
-           public=True),
+    Target("mindone.diffusers.configuration_utils", "ConfigMixin.from_config", f"{_GLUE}:from_config", public=True),
     # calls that build with every initializer run, then fill (glue/build_then_fill.py); each has an identity
     # test (tests/test_build_then_fill.py), with the CPU wheel's missing kernels routed (testing.cpu_kernel_fallbacks)
-    *(Target(f"mindone.diffusers.models.{module}", f"{cls}.{method}", _BUILD_THEN_FILL, public=True)
-      for module, cls, method in (
-        ("controlnets.controlnet", "ControlNetModel", "from_unet"),
-        ("controlnets.controlnet_sparsectrl", "SparseControlNetModel", "from_unet"),
-        ("controlnets.controlnet_union", "ControlNetUnionModel", "from_unet"),
-        ("controlnets.controlnet_xs", "ControlNetXSAdapter", "from_unet"),
-        ("controlnets.controlnet_xs", "UNetControlNetXSModel", "from_unet"),
-        ("controlnets.controlnet_flux", "FluxControlNetModel", "from_transformer"),
-        ("controlnets.controlnet_sd3", "SD3ControlNetModel", "from_transformer"),
-        ("controlnets.controlnet_hunyuan", "HunyuanDiT2DControlNetModel", "from_transformer"),
-        ("controlnets.controlnet_qwenimage", "QwenImageControlNetModel", "from_transformer"),
-        ("unets.unet_motion_model", "UNetMotionModel", "from_unet2d"),
-    )),
-    Target("mindone.diffusers.loaders.single_file_model", "FromOriginalModelMixin.from_single_file",
-           _BUILD_THEN_FILL, public=True),
-    Target("mindone.diffusers.loaders.single_file", "FromSingleFileMixin.from_single_file",
-           "ms_loadpatch.glue.build_then_fill:adopting_pipeline_file", public=True),
+    *(
+        Target(f"mindone.diffusers.models.{module}", f"{cls}.{method}", _BUILD_THEN_FILL, public=True)
+        for module, cls, method in (
+            ("controlnets.controlnet", "ControlNetModel", "from_unet"),
+            ("controlnets.controlnet_sparsectrl", "SparseControlNetModel", "from_unet"),
+            ("controlnets.controlnet_union", "ControlNetUnionModel", "from_unet"),
+            ("controlnets.controlnet_xs", "ControlNetXSAdapter", "from_unet"),
+            ("controlnets.controlnet_xs", "UNetControlNetXSModel", "from_unet"),
+            ("controlnets.controlnet_flux", "FluxControlNetModel", "from_transformer"),
+            ("controlnets.controlnet_sd3", "SD3ControlNetModel", "from_transformer"),
+            ("controlnets.controlnet_hunyuan", "HunyuanDiT2DControlNetModel", "from_transformer"),
+            ("controlnets.controlnet_qwenimage", "QwenImageControlNetModel", "from_transformer"),
+            ("unets.unet_motion_model", "UNetMotionModel", "from_unet2d"),
+        )
+    ),
+    Target(
+        "mindone.diffusers.loaders.single_file_model",
+        "FromOriginalModelMixin.from_single_file",
+        _BUILD_THEN_FILL,
+        public=True,
+    ),
+    Target(
+        "mindone.diffusers.loaders.single_file",
+        "FromSingleFileMixin.from_single_file",
+        "ms_loadpatch.glue.build_then_fill:adopting_pipeline_file",
+        public=True,
+    ),
     # the transformers text encoders a pipeline's from_single_file builds from the file (as its module calls them)
-    *(Target("mindone.diffusers.loaders.single_file", function, _BUILD_THEN_FILL, public=True) for function in (
-        "create_diffusers_clip_model_from_ldm", "create_diffusers_t5_model_from_checkpoint")),
+    *(
+        Target("mindone.diffusers.loaders.single_file", function, _BUILD_THEN_FILL, public=True)
+        for function in ("create_diffusers_clip_model_from_ldm", "create_diffusers_t5_model_from_checkpoint")
+    ),
     # a model's methods that build layers into it and fill them: IP adapters (load_ip_adapter's), LoRA
-    *(Target(f"mindone.diffusers.loaders.{module}", path, _BUILD_INTO_MODEL, public=True) for module, path in (
-        ("unet", "UNet2DConditionLoadersMixin._load_ip_adapter_weights"),
-        ("transformer_flux", "FluxTransformer2DLoadersMixin._load_ip_adapter_weights"),
-        ("unet", "UNet2DConditionLoadersMixin.load_attn_procs"),
-        ("peft", "PeftAdapterMixin.load_lora_adapter"),
-    )),
+    *(
+        Target(f"mindone.diffusers.loaders.{module}", path, _BUILD_INTO_MODEL, public=True)
+        for module, path in (
+            ("unet", "UNet2DConditionLoadersMixin._load_ip_adapter_weights"),
+            ("transformer_flux", "FluxTransformer2DLoadersMixin._load_ip_adapter_weights"),
+            ("unet", "UNet2DConditionLoadersMixin.load_attn_procs"),
+            ("peft", "PeftAdapterMixin.load_lora_adapter"),
+        )
+    ),
     Target("mindone.transformers.integrations.peft", "PeftAdapterMixin.load_adapter", _BUILD_INTO_MODEL, public=True),
-    Target("mindone.peft.peft_model", "PeftModel.from_pretrained", _BUILD_THEN_FILL, public=True,
-           owner="transformers"),
+    Target("mindone.peft.peft_model", "PeftModel.from_pretrained", _BUILD_THEN_FILL, public=True, owner="transformers"),
     # internals of its loading path, active only inside an accelerated from_pretrained
     Target(_DF, "no_init_parameters", f"{_DF_GLUE}:no_init_parameters"),
     Target(_DF, "ModelMixin._load_pretrained_model", f"{_DF_GLUE}:load_pretrained_model"),
@@ -135,5 +148,7 @@ TARGETS: tuple[Target, ...] = (
 )
 
 # the load each library's status verdict is about: pending until its module is imported
-FROM_PRETRAINED = {"transformers": f"{_TF}:PreTrainedModel.from_pretrained",
-                   "diffusers": f"{_DF}:ModelMixin.from_pretrained"}
+FROM_PRETRAINED = {
+    "transformers": f"{_TF}:PreTrainedModel.from_pretrained",
+    "diffusers": f"{_DF}:ModelMixin.from_pretrained",
+}

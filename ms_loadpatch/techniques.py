@@ -43,9 +43,16 @@ def _construction_rows() -> list[dict]:
     early = building.window.EARLY_START_TENSORS
     if building.window.start_after_cells(checkpoint_tensors=early) != start:
         when += f" (its first for a checkpoint of {early}+ tensors)"
-    return [{"name": row["name"], "libraries": list(versions.LIBRARIES),
-             "description": f"{when}: {row['description']}", "state": row["state"], "reason": row["reason"]}
-            for row in building.technique_status()]
+    return [
+        {
+            "name": row["name"],
+            "libraries": list(versions.LIBRARIES),
+            "description": f"{when}: {row['description']}",
+            "state": row["state"],
+            "reason": row["reason"],
+        }
+        for row in building.technique_status()
+    ]
 
 
 def _repeated_code_rows() -> list[dict]:
@@ -55,8 +62,13 @@ def _repeated_code_rows() -> list[dict]:
 
 
 # (kind, rows); all but api need lazy construction (an api row) active
-_KINDS = (("api", _api_rows), ("cast-on-read", _cast_on_read_rows), ("cell-passes", _cell_pass_rows),
-          ("construction", _construction_rows), ("repeated-code", _repeated_code_rows))
+_KINDS = (
+    ("api", _api_rows),
+    ("cast-on-read", _cast_on_read_rows),
+    ("cell-passes", _cell_pass_rows),
+    ("construction", _construction_rows),
+    ("repeated-code", _repeated_code_rows),
+)
 
 
 def status_rows() -> list[dict]:

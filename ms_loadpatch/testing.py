@@ -45,10 +45,16 @@ def snapshot(model) -> dict:
     ties = {}
     for name, param in model.parameters_and_names(expand=True):
         bits = _bits(param)
-        records[name] = TensorRecord("param", tuple(param.shape), str(param.dtype), bits,
-                                     bool(param.requires_grad), param.name,
-                                     bool(np.array_equal(_bits(copy.copy(param)), bits)),
-                                     getattr(param, "init_mode", None) is not None)
+        records[name] = TensorRecord(
+            "param",
+            tuple(param.shape),
+            str(param.dtype),
+            bits,
+            bool(param.requires_grad),
+            param.name,
+            bool(np.array_equal(_bits(copy.copy(param)), bits)),
+            getattr(param, "init_mode", None) is not None,
+        )
     for prefix, cell in model.cells_and_names():
         for attr, param in cell._params.items():
             if param is None:

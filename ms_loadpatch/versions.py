@@ -127,13 +127,16 @@ def check() -> GateResult:
         if version is not None and not specifier.contains(version, prereleases=True):
             newest = max(Version(v) for v in TESTED[distribution])
             where = f"newer than the newest tested ({newest})" if version > newest else "outside"
-            problem = (f"{distribution} {version} is {where} the supported range {specifier} "
-                       f"(tested: {tested_versions(distribution)})")
+            problem = (
+                f"{distribution} {version} is {where} the supported range {specifier} "
+                f"(tested: {tested_versions(distribution)})"
+            )
             (untested if _allow_untested() else problems).append(problem)
     refusal = None
     if problems:
         refusal = "; ".join(problems) + (
-            f"; to try it at your own risk set {ALLOW_UNTESTED_ENV_VAR}=1 (every probe still runs)")
+            f"; to try it at your own risk set {ALLOW_UNTESTED_ENV_VAR}=1 (every probe still runs)"
+        )
     return GateResult(versions, refusal, tuple(untested))
 
 
@@ -161,13 +164,28 @@ LAZY_IMPORT_ALONG: dict[str, tuple[str, ...]] = {
 _MT = "mindone.transformers.models."
 LAZY_IMPORT_SIDE_EFFECTS: dict[str, tuple[str, ...]] = {
     # ALL_LAYERNORM_LAYERS.append(<model's norm class>), read by Trainer for weight decay
-    "mindone.transformers.trainer": tuple(_MT + m for m in (
-        "chameleon.modeling_chameleon", "granitemoe.modeling_granitemoe", "idefics.modeling_idefics",
-        "llama.modeling_llama", "longt5.modeling_longt5", "minicpm4.modeling_minicpm", "moshi.modeling_moshi",
-        "nemotron.modeling_nemotron", "olmoe.modeling_olmoe", "phi3.modeling_phi3", "pix2struct.modeling_pix2struct",
-        "pop2piano.modeling_pop2piano", "recurrent_gemma.modeling_recurrent_gemma",
-        "switch_transformers.modeling_switch_transformers", "zamba.modeling_zamba")),
+    "mindone.transformers.trainer": tuple(
+        _MT + m
+        for m in (
+            "chameleon.modeling_chameleon",
+            "granitemoe.modeling_granitemoe",
+            "idefics.modeling_idefics",
+            "llama.modeling_llama",
+            "longt5.modeling_longt5",
+            "minicpm4.modeling_minicpm",
+            "moshi.modeling_moshi",
+            "nemotron.modeling_nemotron",
+            "olmoe.modeling_olmoe",
+            "phi3.modeling_phi3",
+            "pix2struct.modeling_pix2struct",
+            "pop2piano.modeling_pop2piano",
+            "recurrent_gemma.modeling_recurrent_gemma",
+            "switch_transformers.modeling_switch_transformers",
+            "zamba.modeling_zamba",
+        )
+    ),
     # AutoImageProcessor.register / AutoFeatureExtractor.register
-    "mindone.transformers.models.auto": tuple(_MT + m for m in (
-        "minicpmv_4_5.image_processing_minicpmv", "phi4_multimodal.processing_phi4_multimodal")),
+    "mindone.transformers.models.auto": tuple(
+        _MT + m for m in ("minicpmv_4_5.image_processing_minicpmv", "phi4_multimodal.processing_phi4_multimodal")
+    ),
 }

@@ -37,7 +37,9 @@ def report_of(proc):
     for line in proc.stdout.splitlines():
         if line.startswith("REPORT "):
             return json.loads(line[len("REPORT ") :])
-    raise AssertionError(f"no REPORT line; exit {proc.returncode}\nstdout:\n{proc.stdout}\nstderr:\n{proc.stderr[-4000:]}")
+    raise AssertionError(
+        f"no REPORT line; exit {proc.returncode}\nstdout:\n{proc.stdout}\nstderr:\n{proc.stderr[-4000:]}"
+    )
 
 
 # -- tiny models: tens of cells, built and saved in well under a second
@@ -49,22 +51,45 @@ def tiny_qwen2_config(**extra):
     change these."""
     import transformers as hf
 
-    return hf.Qwen2Config(vocab_size=128, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-                          num_key_value_heads=2, intermediate_size=64, **extra)
+    return hf.Qwen2Config(
+        vocab_size=128,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=64,
+        **extra,
+    )
 
 
 def tiny_vae() -> dict:
     """Keyword arguments of mindone.diffusers.AutoencoderKL for the tiny VAE (a new dict each call)."""
-    return dict(block_out_channels=[4, 8], in_channels=3, out_channels=3, down_block_types=["DownEncoderBlock2D"] * 2,
-                up_block_types=["UpDecoderBlock2D"] * 2, latent_channels=4, norm_num_groups=4, sample_size=16)
+    return dict(
+        block_out_channels=[4, 8],
+        in_channels=3,
+        out_channels=3,
+        down_block_types=["DownEncoderBlock2D"] * 2,
+        up_block_types=["UpDecoderBlock2D"] * 2,
+        latent_channels=4,
+        norm_num_groups=4,
+        sample_size=16,
+    )
 
 
 def tiny_unet() -> dict:
     """Keyword arguments of mindone.diffusers.UNet2DConditionModel for the tiny UNet (a new dict each call)."""
-    return dict(block_out_channels=(4, 8), layers_per_block=1, sample_size=8, in_channels=4, out_channels=4,
-                down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"),
-                up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"), cross_attention_dim=8, norm_num_groups=4,
-                attention_head_dim=2)
+    return dict(
+        block_out_channels=(4, 8),
+        layers_per_block=1,
+        sample_size=8,
+        in_channels=4,
+        out_channels=4,
+        down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"),
+        up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"),
+        cross_attention_dim=8,
+        norm_num_groups=4,
+        attention_head_dim=2,
+    )
 
 
 # -- a forward pass on the CPU backend

@@ -52,6 +52,7 @@ def names_report():
     import mindone.transformers as mt
 
     import mindone.transformers.models as models
+
     report = {"type": type(mt).__name__, "dir_before": dir(mt), "models_dir_before": dir(models)}
     resolved, not_canonical, hasattr_missing = {}, [], []
     for package in (mt, models, mt, models):  # twice: the first pass binds submodules as a side effect
@@ -63,10 +64,15 @@ def names_report():
             resolved[f"{package.__name__}.{name}"] = describe(value)
             if not canonical(value):
                 not_canonical.append(f"{package.__name__}.{name}")
-    report.update(resolved=resolved, not_canonical=not_canonical, hasattr_missing=hasattr_missing,
-                  dir_after=dir(mt), models_dir_after=dir(models),
-                  has_all=[hasattr(mt, "__all__"), hasattr(models, "__all__")],
-                  missing=[hasattr(mt, "NoSuchName_xyz"), hasattr(models, "no_such_model_xyz")])
+    report.update(
+        resolved=resolved,
+        not_canonical=not_canonical,
+        hasattr_missing=hasattr_missing,
+        dir_after=dir(mt),
+        models_dir_after=dir(models),
+        has_all=[hasattr(mt, "__all__"), hasattr(models, "__all__")],
+        missing=[hasattr(mt, "NoSuchName_xyz"), hasattr(models, "no_such_model_xyz")],
+    )
     namespace = {}
     exec("from mindone.transformers import *", namespace)
     report["star"] = sorted(k for k in namespace if k != "__builtins__")
@@ -107,8 +113,7 @@ def load_report():
 
     with cpu_kernel_fallbacks():
         model = AutoModelForCausalLM.from_pretrained(directory)
-    return {"class": describe(type(model)), "parameters": len(list(model.get_parameters())),
-            "scanned": _scanned()}
+    return {"class": describe(type(model)), "parameters": len(list(model.get_parameters())), "scanned": _scanned()}
 
 
 def _entry(mapping, key):
@@ -137,10 +142,20 @@ def auto_report():
     import mindone.transformers as mt
 
     # AutoTokenizer: not exported by mindone 0.5.0 (absent both ways is the same)
-    report["auto_classes"] = {name: describe(getattr(mt, name, None)) for name in (
-        "AutoConfig", "AutoModel", "AutoModelForCausalLM", "AutoProcessor", "AutoTokenizer", "AutoImageProcessor")}
-    report["config_mapping"] = {k: _entry(configuration_auto.CONFIG_MAPPING, k)
-                                for k in configuration_auto.CONFIG_MAPPING.keys()}
+    report["auto_classes"] = {
+        name: describe(getattr(mt, name, None))
+        for name in (
+            "AutoConfig",
+            "AutoModel",
+            "AutoModelForCausalLM",
+            "AutoProcessor",
+            "AutoTokenizer",
+            "AutoImageProcessor",
+        )
+    }
+    report["config_mapping"] = {
+        k: _entry(configuration_auto.CONFIG_MAPPING, k) for k in configuration_auto.CONFIG_MAPPING.keys()
+    }
     return report
 
 
@@ -152,10 +167,12 @@ def registries_report():
 
     return {
         "ALL_LAYERNORM_LAYERS": sorted(describe(c)[0] + ":" + describe(c)[1] for c in ALL_LAYERNORM_LAYERS),
-        "image_processor_extra": {str(k): describe(v) for k, v in
-                                  image_processing_auto.IMAGE_PROCESSOR_MAPPING._extra_content.items()},
-        "feature_extractor_extra": {str(k): describe(v) for k, v in
-                                    feature_extraction_auto.FEATURE_EXTRACTOR_MAPPING._extra_content.items()},
+        "image_processor_extra": {
+            str(k): describe(v) for k, v in image_processing_auto.IMAGE_PROCESSOR_MAPPING._extra_content.items()
+        },
+        "feature_extractor_extra": {
+            str(k): describe(v) for k, v in feature_extraction_auto.FEATURE_EXTRACTOR_MAPPING._extra_content.items()
+        },
     }
 
 
@@ -170,8 +187,7 @@ def hf_report():
     for name, module in sorted(sys.modules.items()):
         if isinstance(module, _LazyModule):
             missing = getattr(module, "_object_missing_backend", {})
-            hits = sorted(k for k in missing if k in vars(module)
-                          and type(vars(module)[k]).__name__ != "DummyObject")
+            hits = sorted(k for k in missing if k in vars(module) and type(vars(module)[k]).__name__ != "DummyObject")
             if hits:
                 bound[name] = hits
     return bound
@@ -212,9 +228,17 @@ def reverse_root_report():
 if __name__ == "__main__":
     out = {}
     for part in [a for a in sys.argv[1:] if not a.startswith("--")]:
-        result = {"names": names_report, "auto": auto_report, "registries": registries_report, "hf": hf_report,
-                  "reverse": reverse_report, "reverse-root": reverse_root_report, "dir": dir_report,
-                  "access": access_report, "load": load_report}[part]()
+        result = {
+            "names": names_report,
+            "auto": auto_report,
+            "registries": registries_report,
+            "hf": hf_report,
+            "reverse": reverse_report,
+            "reverse-root": reverse_root_report,
+            "dir": dir_report,
+            "access": access_report,
+            "load": load_report,
+        }[part]()
         if part == "dir":
             out.setdefault(part, []).append(result)
         else:

@@ -40,17 +40,31 @@ def open_fds() -> int:
 
 
 if KIND == "nofile":
-    config = hf.Qwen2Config(vocab_size=64, hidden_size=16, num_hidden_layers=4, num_attention_heads=2,
-                            num_key_value_heads=1, intermediate_size=32)
-    directory = write_random_checkpoint(mt.Qwen2ForCausalLM, config, os.path.join(SCRATCH, "many"),
-                                        max_shard_bytes=2_000)
+    config = hf.Qwen2Config(
+        vocab_size=64,
+        hidden_size=16,
+        num_hidden_layers=4,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        intermediate_size=32,
+    )
+    directory = write_random_checkpoint(
+        mt.Qwen2ForCausalLM, config, os.path.join(SCRATCH, "many"), max_shard_bytes=2_000
+    )
     shards = len([f for f in os.listdir(directory) if f.endswith(".safetensors")])
     os.environ["HF_ENABLE_PARALLEL_LOADING"] = "1"  # 8 reader threads: the most files open at once
     limit_free = int(os.environ.get("LIMIT_FREE_FDS", "0"))
     resource_id = resource.RLIMIT_NOFILE
 else:
-    config = hf.Qwen2Config(vocab_size=32000, hidden_size=1024, num_hidden_layers=1, num_attention_heads=8,
-                            num_key_value_heads=8, intermediate_size=1024, tie_word_embeddings=False)
+    config = hf.Qwen2Config(
+        vocab_size=32000,
+        hidden_size=1024,
+        num_hidden_layers=1,
+        num_attention_heads=8,
+        num_key_value_heads=8,
+        intermediate_size=1024,
+        tie_word_embeddings=False,
+    )
     directory = write_random_checkpoint(mt.Qwen2ForCausalLM, config, os.path.join(SCRATCH, "big"))
     shards = 1
     resource_id = resource.RLIMIT_AS
@@ -95,8 +109,12 @@ with cpu_kernel_fallbacks(), ms_loadpatch.enabled():
         report["error"] = None
         del model
     except BaseException as exc:  # noqa: BLE001 - reported
-        report["error"] = {"type": type(exc).__name__, "mro": [k.__name__ for k in type(exc).__mro__],
-                           "message": str(exc), "cause": repr(exc.__cause__)}
+        report["error"] = {
+            "type": type(exc).__name__,
+            "mro": [k.__name__ for k in type(exc).__mro__],
+            "message": str(exc),
+            "cause": repr(exc.__cause__),
+        }
     finally:
         resource.setrlimit(resource_id, (soft, hard))
     limited_cold_plans = report["cold_plans"]

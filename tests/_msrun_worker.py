@@ -36,7 +36,7 @@ class _ReduceScatterOnCpu:
 
     def __call__(self, x):
         block = x.shape[0] // self.size
-        return self.allreduce(x)[self.rank * block:(self.rank + 1) * block]
+        return self.allreduce(x)[self.rank * block : (self.rank + 1) * block]
 
 
 def _train(model_dir, stage, steps, rank, group_size):
@@ -84,8 +84,10 @@ def _write_failure(out, rank, exc, before):
         restored = f"no: {problem}"
     threads = [t.name for t in threading.enumerate() if t.name.startswith("ms_loadpatch") and t.is_alive()]
     with open(os.path.join(out, f"rank{rank}-failure.json"), "w") as f:
-        json.dump({"error_type": type(exc).__name__, "error": str(exc), "state_restored": restored,
-                   "threads_left": threads}, f)
+        json.dump(
+            {"error_type": type(exc).__name__, "error": str(exc), "state_restored": restored, "threads_left": threads},
+            f,
+        )
 
 
 def main():
@@ -133,10 +135,13 @@ def main():
             report = ms_loadpatch.last_report() if ms_loadpatch.is_enabled() else None
             result["enabled"] = ms_loadpatch.is_enabled()
             result["report"] = report.as_dict() if report else None
-            result["threads_after_load"] = [t.name for t in threading.enumerate()
-                                            if t.name.startswith("ms_loadpatch") and t.is_alive()]
-            np.savez(os.path.join(args.out, f"rank{rank}-loaded.npz"),
-                     **{name: p.float().asnumpy() for name, p in model.parameters_and_names()})
+            result["threads_after_load"] = [
+                t.name for t in threading.enumerate() if t.name.startswith("ms_loadpatch") and t.is_alive()
+            ]
+            np.savez(
+                os.path.join(args.out, f"rank{rank}-loaded.npz"),
+                **{name: p.float().asnumpy() for name, p in model.parameters_and_names()},
+            )
             del model
             if args.zero:
                 ms.set_auto_parallel_context(parallel_mode=ms.ParallelMode.DATA_PARALLEL, gradients_mean=True)

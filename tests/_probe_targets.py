@@ -102,9 +102,10 @@ with ms_loadpatch.enabled():
 for key, state in needed_states.items():
     if state == "not needed":
         target = next(t for t in TARGETS if t.key == key)
-        rows[key] = {"not_needed_left_alone": not any(r for name, r in rows[key].items()
-                                                      if name.startswith("patched"))
-                     and current(target) is originals[key]}
+        rows[key] = {
+            "not_needed_left_alone": not any(r for name, r in rows[key].items() if name.startswith("patched"))
+            and current(target) is originals[key]
+        }
 report["targets"] = rows
 report["states"] = {row["target"]: row["state"] for row in ms_loadpatch.status()["targets"]}
 print("REPORT " + json.dumps(report))

@@ -17,8 +17,12 @@ from ms_loadpatch.strategy.building.lazy import CONSTRUCTION_LOCK
 
 
 def process_state() -> dict:
-    return {"enabled": ms_loadpatch.is_enabled(), "handles": dict(core._PATCHER._handles), "env": dict(os.environ),
-            "modules": set(sys.modules)}
+    return {
+        "enabled": ms_loadpatch.is_enabled(),
+        "handles": dict(core._PATCHER._handles),
+        "env": dict(os.environ),
+        "modules": set(sys.modules),
+    }
 
 
 def _lock_is_free() -> bool:
@@ -62,7 +66,9 @@ def assert_state_restored(before: dict) -> None:
     from ms_loadpatch.strategy import building
 
     left = building.leftovers()
-    assert left == [], f"fast construction left behind: {left}"  # fast construction: nn.Cell methods, class __init__s, gc, counts
+    assert left == [], (
+        f"fast construction left behind: {left}"
+    )  # fast construction: nn.Cell methods, class __init__s, gc, counts
 
 
 def raised_alike(unpatched_call, patched_call):

@@ -54,14 +54,20 @@ def call():
         import mindone.diffusers as D
 
         if case == "diffusers-controlnet":  # built from a UNet, then filled from it
-            return D.ControlNetModel.from_unet(D.UNet2DConditionModel.from_pretrained(
-                os.path.join(directory, "diffusers-unet")))
+            return D.ControlNetModel.from_unet(
+                D.UNet2DConditionModel.from_pretrained(os.path.join(directory, "diffusers-unet"))
+            )
         if case == "diffusers-single-file":
             return D.UNet2DConditionModel.from_single_file(
                 os.path.join(directory, "diffusers-unet", "diffusion_pytorch_model.safetensors"),
-                config=os.path.join(directory, "diffusers-unet"))
-        cls = {"diffusers-unet": D.UNet2DConditionModel, "diffusers-vae": D.AutoencoderKL,
-               "diffusers-unet3d": D.UNet3DConditionModel, "diffusers-unet3d-missing": D.UNet3DConditionModel}[case]
+                config=os.path.join(directory, "diffusers-unet"),
+            )
+        cls = {
+            "diffusers-unet": D.UNet2DConditionModel,
+            "diffusers-vae": D.AutoencoderKL,
+            "diffusers-unet3d": D.UNet3DConditionModel,
+            "diffusers-unet3d-missing": D.UNet3DConditionModel,
+        }[case]
         return cls.from_pretrained(os.path.join(directory, case))
     if case in TRANSFORMERS:
         import mindone.transformers as mt
@@ -73,9 +79,16 @@ def call():
         import transformers as hf
         from mindone.transformers import AutoModelForCausalLM
 
-        return AutoModelForCausalLM.from_config(hf.Qwen2Config(
-            vocab_size=128, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-            intermediate_size=64))
+        return AutoModelForCausalLM.from_config(
+            hf.Qwen2Config(
+                vocab_size=128,
+                hidden_size=32,
+                num_hidden_layers=2,
+                num_attention_heads=4,
+                num_key_value_heads=2,
+                intermediate_size=64,
+            )
+        )
     elif case == "probes":  # with the plugin off, nothing: every probe must leave the generators as not probing
         import mindone.transformers.modeling_utils  # noqa: F401
 

@@ -44,28 +44,48 @@ def _unet_ip_adapter(unet, projection: str) -> dict:
         if name.endswith("attn1.processor"):
             continue
         block = int(name.split(".")[1]) if not name.startswith("mid_block") else None
-        hidden = channels[-1] if block is None else (
-            list(reversed(channels))[block] if name.startswith("up_blocks") else channels[block])
+        hidden = (
+            channels[-1]
+            if block is None
+            else (list(reversed(channels))[block] if name.startswith("up_blocks") else channels[block])
+        )
         attention[f"{key}.to_k_ip.weight"] = _values((hidden, cross), key)
         attention[f"{key}.to_v_ip.weight"] = _values((hidden, cross), key + 1)
         key += 2
     clip = 6
     if projection == "image":  # ImageProjection
-        image_proj = {"proj.weight": _values((cross * 4, clip), 0), "proj.bias": _values((cross * 4,), 1),
-                      "norm.weight": _values((cross,), 2), "norm.bias": _values((cross,), 3)}
+        image_proj = {
+            "proj.weight": _values((cross * 4, clip), 0),
+            "proj.bias": _values((cross * 4,), 1),
+            "norm.weight": _values((cross,), 2),
+            "norm.bias": _values((cross,), 3),
+        }
     else:  # IPAdapterFullImageProjection
-        image_proj = {"proj.0.weight": _values((clip, clip), 0), "proj.0.bias": _values((clip,), 1),
-                      "proj.2.weight": _values((cross, clip), 2), "proj.2.bias": _values((cross,), 3),
-                      "proj.3.weight": _values((cross,), 4), "proj.3.bias": _values((cross,), 5)}
+        image_proj = {
+            "proj.0.weight": _values((clip, clip), 0),
+            "proj.0.bias": _values((clip,), 1),
+            "proj.2.weight": _values((cross, clip), 2),
+            "proj.2.bias": _values((cross,), 3),
+            "proj.3.weight": _values((cross,), 4),
+            "proj.3.bias": _values((cross,), 5),
+        }
     return {"image_proj": image_proj, "ip_adapter": attention}
 
 
 def _flux():
     with ms_loadpatch.disabled():
         np.random.seed(5)
-        return md.FluxTransformer2DModel(patch_size=1, in_channels=4, num_layers=1, num_single_layers=1,
-                                         attention_head_dim=8, num_attention_heads=2, joint_attention_dim=8,
-                                         pooled_projection_dim=8, axes_dims_rope=(2, 2, 4))
+        return md.FluxTransformer2DModel(
+            patch_size=1,
+            in_channels=4,
+            num_layers=1,
+            num_single_layers=1,
+            attention_head_dim=8,
+            num_attention_heads=2,
+            joint_attention_dim=8,
+            pooled_projection_dim=8,
+            axes_dims_rope=(2, 2, 4),
+        )
 
 
 def _flux_ip_adapter(flux) -> dict:
@@ -75,8 +95,12 @@ def _flux_ip_adapter(flux) -> dict:
         for kind in ("k", "v"):
             attention[f"{block}.to_{kind}_ip.weight"] = _values((inner, joint), block)
             attention[f"{block}.to_{kind}_ip.bias"] = _values((inner,), block + 1)
-    image_proj = {"proj.weight": _values((joint * 4, clip), 0), "proj.bias": _values((joint * 4,), 1),
-                  "norm.weight": _values((joint,), 2), "norm.bias": _values((joint,), 3)}
+    image_proj = {
+        "proj.weight": _values((joint * 4, clip), 0),
+        "proj.bias": _values((joint * 4,), 1),
+        "norm.weight": _values((joint,), 2),
+        "norm.bias": _values((joint,), 3),
+    }
     return {"image_proj": image_proj, "ip_adapter": attention}
 
 
@@ -85,6 +109,7 @@ def _with_ip_adapter(make_model, make_state):
         model = make_model()
         model._load_ip_adapter_weights({part: _parameters(state) for part, state in make_state(model).items()})
         return model
+
     return load
 
 
@@ -109,6 +134,7 @@ def _with_lora(attn_procs=False, **options):
         else:
             unet.load_lora_adapter(state, prefix=None, adapter_name="first")
         return unet
+
     return load
 
 
@@ -123,8 +149,10 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("case", [pytest.param("unet-ip-adapter", marks=pytest.mark.matrix),
-                                  *(case for case in CASES if case != "unet-ip-adapter")])
+@pytest.mark.parametrize(
+    "case",
+    [pytest.param("unet-ip-adapter", marks=pytest.mark.matrix), *(case for case in CASES if case != "unet-ip-adapter")],
+)
 def test_same_model_as_unpatched(case):
     reference, accelerated = load_both(CASES[case])  # raises if the random state ends elsewhere
     assert_same_model(reference, accelerated)
@@ -169,8 +197,16 @@ def _qwen2():
 
     with ms_loadpatch.disabled():
         np.random.seed(5)
-        return mt.Qwen2ForCausalLM(hf.Qwen2Config(vocab_size=128, hidden_size=32, num_hidden_layers=2,
-                                                  num_attention_heads=4, num_key_value_heads=2, intermediate_size=64))
+        return mt.Qwen2ForCausalLM(
+            hf.Qwen2Config(
+                vocab_size=128,
+                hidden_size=32,
+                num_hidden_layers=2,
+                num_attention_heads=4,
+                num_key_value_heads=2,
+                intermediate_size=64,
+            )
+        )
 
 
 def _qwen2_lora_state(base) -> dict:
@@ -190,8 +226,9 @@ def test_transformers_load_adapter_same_model_as_unpatched():
 
     def load():
         model = _qwen2()
-        model.load_adapter(peft_config=LoraConfig(r=4, target_modules=["q_proj", "v_proj"]),
-                           adapter_state_dict=_parameters(state))
+        model.load_adapter(
+            peft_config=LoraConfig(r=4, target_modules=["q_proj", "v_proj"]), adapter_state_dict=_parameters(state)
+        )
         return model
 
     reference, accelerated = load_both(load)

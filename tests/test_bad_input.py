@@ -170,8 +170,14 @@ def test_broken_file(checkpoints, tmp_path, library, layout, defect):
         assert str(patched.__cause__) == str(unpatched)
         assert (path in str(unpatched)) is (defect is not lfs_pointer)
     # ours: the file (checked above), the reason, and the tensor where there is one
-    reason = {"truncated": "truncated", "header_not_json": "not valid JSON", "offsets_past_end": "past the end",
-              "unknown_dtype": "unknown dtype 'F33'", "empty_file": "empty", "lfs_pointer": "git-lfs"}
+    reason = {
+        "truncated": "truncated",
+        "header_not_json": "not valid JSON",
+        "offsets_past_end": "past the end",
+        "unknown_dtype": "unknown dtype 'F33'",
+        "empty_file": "empty",
+        "lfs_pointer": "git-lfs",
+    }
     assert reason[defect.__name__] in str(patched), str(patched)
     if library.startswith("tf") and layout == "single":  # unpatched: safetensors' bare message, no file name
         assert path not in str(unpatched)
@@ -228,10 +234,13 @@ def _map_shard_to_first(directory):
     return moved
 
 
-@pytest.mark.parametrize("library", [
-    "tf",
-    "df",
-])
+@pytest.mark.parametrize(
+    "library",
+    [
+        "tf",
+        "df",
+    ],
+)
 def test_index_maps_tensors_to_wrong_shard(checkpoints, tmp_path, library):
     directory = tmp_path / f"{library}-sharded"
     shutil.copytree(checkpoints / f"{library}-sharded", directory)
@@ -272,11 +281,16 @@ def test_shape_mismatch(checkpoints, tmp_path, library, layout):
     file (in load order) holding a tensor of the wrong shape."""
     if library == "tf":
         config_change, key = {"intermediate_size": 48}, "model.layers.0.mlp.gate_proj.weight"
-        changed = lambda k: ".mlp." in k  # noqa: E731
+
+        def changed(k):
+            return ".mlp." in k
     else:
         config_change, key = {"latent_channels": 2}, None  # the two loaders report different first keys
-        changed = lambda k: k.split(".")[0] in ("quant_conv", "post_quant_conv") or k.startswith(  # noqa: E731
-            ("encoder.conv_out.", "decoder.conv_in."))
+
+        def changed(k):
+            return k.split(".")[0] in ("quant_conv", "post_quant_conv") or k.startswith(
+                ("encoder.conv_out.", "decoder.conv_in.")
+            )
 
     def shrink(directory):
         config_path = directory / "config.json"

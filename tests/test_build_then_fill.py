@@ -29,9 +29,14 @@ def unets():
     from ms_loadpatch.testing import cpu_kernel_fallbacks
 
     with ms_loadpatch.disabled(), cpu_kernel_fallbacks():
-        return {"tiny": md.UNet2DConditionModel(**_unet_config()), "wide": md.UNet2DConditionModel(**_wide_config()),
-                "flux": _tiny_flux(), "xl": md.UNet2DConditionModel(**_xl_config()), **_tiny_transformers(),
-                "xs": md.UNet2DConditionModel(**dict(_unet_config(), layers_per_block=2, use_linear_projection=True))}
+        return {
+            "tiny": md.UNet2DConditionModel(**_unet_config()),
+            "wide": md.UNet2DConditionModel(**_wide_config()),
+            "flux": _tiny_flux(),
+            "xl": md.UNet2DConditionModel(**_xl_config()),
+            **_tiny_transformers(),
+            "xs": md.UNet2DConditionModel(**dict(_unet_config(), layers_per_block=2, use_linear_projection=True)),
+        }
 
 
 def _unet_config():
@@ -46,8 +51,13 @@ def _wide_config():
 
 def _xl_config():
     """An SDXL-like UNet (text_time additional embedding), which ControlNetUnionModel.from_unet needs."""
-    return dict(_unet_config(), addition_embed_type="text_time", addition_time_embed_dim=4,
-                projection_class_embeddings_input_dim=4 * 6 + 8, transformer_layers_per_block=[1, 1])
+    return dict(
+        _unet_config(),
+        addition_embed_type="text_time",
+        addition_time_embed_dim=4,
+        projection_class_embeddings_input_dim=4 * 6 + 8,
+        transformer_layers_per_block=[1, 1],
+    )
 
 
 def _aliased(model, source) -> list | None:
@@ -61,24 +71,59 @@ def _aliased(model, source) -> list | None:
 
 
 def _tiny_flux():
-    return md.FluxTransformer2DModel(patch_size=1, in_channels=4, num_layers=1, num_single_layers=1,
-                                     attention_head_dim=8, num_attention_heads=2, joint_attention_dim=8,
-                                     pooled_projection_dim=8, axes_dims_rope=(2, 2, 4))
+    return md.FluxTransformer2DModel(
+        patch_size=1,
+        in_channels=4,
+        num_layers=1,
+        num_single_layers=1,
+        attention_head_dim=8,
+        num_attention_heads=2,
+        joint_attention_dim=8,
+        pooled_projection_dim=8,
+        axes_dims_rope=(2, 2, 4),
+    )
 
 
 def _tiny_transformers():
     """SD3 (two layers: its last is context-only), HunyuanDiT (the pooled
     width its ControlNet assumes), QwenImage; their CPU kernels come from cpu_kernel_fallbacks."""
     return {
-        "sd3": md.SD3Transformer2DModel(sample_size=8, patch_size=1, in_channels=4, num_layers=2, attention_head_dim=8,
-                                        num_attention_heads=2, joint_attention_dim=8, caption_projection_dim=16,
-                                        pooled_projection_dim=8, out_channels=4),
-        "hunyuan": md.HunyuanDiT2DModel(sample_size=8, patch_size=2, in_channels=4, num_layers=2, attention_head_dim=8,
-                                        num_attention_heads=2, cross_attention_dim=8, cross_attention_dim_t5=8,
-                                        pooled_projection_dim=1024, hidden_size=16, text_len=4, text_len_t5=4),
-        "qwen": md.QwenImageTransformer2DModel(patch_size=2, in_channels=16, out_channels=4, num_layers=1,
-                                               attention_head_dim=8, num_attention_heads=2, joint_attention_dim=16,
-                                               axes_dims_rope=(2, 2, 4)),
+        "sd3": md.SD3Transformer2DModel(
+            sample_size=8,
+            patch_size=1,
+            in_channels=4,
+            num_layers=2,
+            attention_head_dim=8,
+            num_attention_heads=2,
+            joint_attention_dim=8,
+            caption_projection_dim=16,
+            pooled_projection_dim=8,
+            out_channels=4,
+        ),
+        "hunyuan": md.HunyuanDiT2DModel(
+            sample_size=8,
+            patch_size=2,
+            in_channels=4,
+            num_layers=2,
+            attention_head_dim=8,
+            num_attention_heads=2,
+            cross_attention_dim=8,
+            cross_attention_dim_t5=8,
+            pooled_projection_dim=1024,
+            hidden_size=16,
+            text_len=4,
+            text_len_t5=4,
+        ),
+        "qwen": md.QwenImageTransformer2DModel(
+            patch_size=2,
+            in_channels=16,
+            out_channels=4,
+            num_layers=1,
+            attention_head_dim=8,
+            num_attention_heads=2,
+            joint_attention_dim=16,
+            axes_dims_rope=(2, 2, 4),
+        ),
     }
 
 
@@ -87,30 +132,57 @@ CASES = {
     "controlnet-random": ("tiny", lambda unet: md.ControlNetModel.from_unet(unet, load_weights_from_unet=False)),
     "sparse-controlnet": ("wide", lambda unet: md.SparseControlNetModel.from_unet(unet)),
     "motion": ("wide", lambda unet: md.UNetMotionModel.from_unet2d(unet)),
-    "flux-controlnet": ("flux", lambda flux: md.FluxControlNetModel.from_transformer(
-        flux, num_layers=1, num_single_layers=1, attention_head_dim=8, num_attention_heads=2)),
+    "flux-controlnet": (
+        "flux",
+        lambda flux: md.FluxControlNetModel.from_transformer(
+            flux, num_layers=1, num_single_layers=1, attention_head_dim=8, num_attention_heads=2
+        ),
+    ),
     "sd3-controlnet": ("sd3", lambda sd3: md.SD3ControlNetModel.from_transformer(sd3, num_layers=1)),
     # mindone reads `transformer_num_layers`, which HunyuanDiT2DModel's config does not have
-    "hunyuan-controlnet": ("hunyuan", lambda dit: md.HunyuanDiT2DControlNetModel.from_transformer(
-        dit, transformer_num_layers=2)),
-    "qwen-controlnet": ("qwen", lambda qwen: md.QwenImageControlNetModel.from_transformer(
-        qwen, num_layers=1, attention_head_dim=8, num_attention_heads=2)),
+    "hunyuan-controlnet": (
+        "hunyuan",
+        lambda dit: md.HunyuanDiT2DControlNetModel.from_transformer(dit, transformer_num_layers=2),
+    ),
+    "qwen-controlnet": (
+        "qwen",
+        lambda qwen: md.QwenImageControlNetModel.from_transformer(
+            qwen, num_layers=1, attention_head_dim=8, num_attention_heads=2
+        ),
+    ),
     # copies with Cell.load_state_dict (assign_value: lazy_writes); a mint.randn parameter
-    "union-controlnet": ("xl", lambda unet: md.ControlNetUnionModel.from_unet(
-        unet, conditioning_embedding_out_channels=(4, 8))),
-    "xs-adapter": ("xs", lambda unet: md.ControlNetXSAdapter.from_unet(
-        unet, size_ratio=0.5, conditioning_embedding_out_channels=(4, 8))),
+    "union-controlnet": (
+        "xl",
+        lambda unet: md.ControlNetUnionModel.from_unet(unet, conditioning_embedding_out_channels=(4, 8)),
+    ),
+    "xs-adapter": (
+        "xs",
+        lambda unet: md.ControlNetXSAdapter.from_unet(unet, size_ratio=0.5, conditioning_embedding_out_channels=(4, 8)),
+    ),
     # builds an adapter with a nested from_unet and copies from it; replaces its own blocks with new ones
-    "xs-unet": ("xs", lambda unet: md.UNetControlNetXSModel.from_unet(
-        unet, size_ratio=1, ctrl_optional_kwargs=dict(conditioning_embedding_out_channels=(4, 8)))),
+    "xs-unet": (
+        "xs",
+        lambda unet: md.UNetControlNetXSModel.from_unet(
+            unet, size_ratio=1, ctrl_optional_kwargs=dict(conditioning_embedding_out_channels=(4, 8))
+        ),
+    ),
 }
 # the calls whose copies alias the source's tensors under the same names (load_param_into_net)
-ALIASING = ("controlnet", "sparse-controlnet", "motion", "flux-controlnet", "sd3-controlnet", "hunyuan-controlnet",
-            "qwen-controlnet", "xs-unet")
+ALIASING = (
+    "controlnet",
+    "sparse-controlnet",
+    "motion",
+    "flux-controlnet",
+    "sd3-controlnet",
+    "hunyuan-controlnet",
+    "qwen-controlnet",
+    "xs-unet",
+)
 
 
-@pytest.mark.parametrize("case", [pytest.param("controlnet", marks=pytest.mark.matrix),
-                                  *(case for case in CASES if case != "controlnet")])
+@pytest.mark.parametrize(
+    "case", [pytest.param("controlnet", marks=pytest.mark.matrix), *(case for case in CASES if case != "controlnet")]
+)
 def test_same_model_as_unpatched(unets, case):
     which, build = CASES[case]
     unet = unets[which]
@@ -156,8 +228,10 @@ def test_zeroed_blocks_and_random_embedding(unets):
     for model in (reference, accelerated):
         assert not model.controlnet_mid_block.weight.asnumpy().any()
         assert model.controlnet_cond_embedding.conv_in.weight.asnumpy().std() > 0
-    np.testing.assert_array_equal(accelerated.controlnet_cond_embedding.conv_in.weight.asnumpy(),
-                                  reference.controlnet_cond_embedding.conv_in.weight.asnumpy())
+    np.testing.assert_array_equal(
+        accelerated.controlnet_cond_embedding.conv_in.weight.asnumpy(),
+        reference.controlnet_cond_embedding.conv_in.weight.asnumpy(),
+    )
 
 
 def test_failure_halfway_leaves_the_process_as_it_was(unets):
@@ -207,28 +281,37 @@ def single_files(tmp_path_factory):
     from ms_loadpatch.tools import original_format
 
     up_blocks = len(tiny_vae()["up_block_types"])
-    ldm = {original_format.vae_key(name, up_blocks): original_format.vae_value(name, param.asnumpy())
-           for name, param in vae.parameters_and_names()}
+    ldm = {
+        original_format.vae_key(name, up_blocks): original_format.vae_value(name, param.asnumpy())
+        for name, param in vae.parameters_and_names()
+    }
     save_file(ldm, str(root / "vae-ldm.safetensors"))
     return root, vae
 
 
 SINGLE_FILE_CASES = {
     "unet": (md.UNet2DConditionModel, "unet/diffusion_pytorch_model.safetensors", "unet", {}),
-    "unet-fp16": (md.UNet2DConditionModel, "unet/diffusion_pytorch_model.safetensors", "unet",
-                  {"mindspore_dtype": ms.float16}),
+    "unet-fp16": (
+        md.UNet2DConditionModel,
+        "unet/diffusion_pytorch_model.safetensors",
+        "unet",
+        {"mindspore_dtype": ms.float16},
+    ),
     "vae": (md.AutoencoderKL, "vae/diffusion_pytorch_model.safetensors", "vae", {}),
     "vae-ldm": (md.AutoencoderKL, "vae-ldm.safetensors", "vae", {}),
 }
 
 
-@pytest.mark.parametrize("case", [pytest.param("vae-ldm", marks=pytest.mark.matrix),
-                                  *(case for case in SINGLE_FILE_CASES if case != "vae-ldm")])
+@pytest.mark.parametrize(
+    "case",
+    [pytest.param("vae-ldm", marks=pytest.mark.matrix), *(case for case in SINGLE_FILE_CASES if case != "vae-ldm")],
+)
 def test_single_file_same_model_as_unpatched(single_files, case):
     root, _ = single_files
     cls, file, config, kwargs = SINGLE_FILE_CASES[case]
-    reference, accelerated = load_both(lambda: cls.from_single_file(str(root / file), config=str(root / config),
-                                                                    **kwargs))
+    reference, accelerated = load_both(
+        lambda: cls.from_single_file(str(root / file), config=str(root / config), **kwargs)
+    )
     assert_same_model(reference, accelerated)
     report = ms_loadpatch.last_report()
     assert report.model_class == cls.__name__ and report.technique.startswith("from_single_file")
@@ -262,8 +345,9 @@ def test_single_file_reads_into_the_model(single_files, monkeypatch):
 
     glue_adopt = glue.adopted_parameter
     monkeypatch.setattr(glue, "adopted_parameter", spy)
-    model = md.AutoencoderKL.from_single_file(str(root / "vae/diffusion_pytorch_model.safetensors"),
-                                              config=str(root / "vae"))
+    model = md.AutoencoderKL.from_single_file(
+        str(root / "vae/diffusion_pytorch_model.safetensors"), config=str(root / "vae")
+    )
     params = dict(model.parameters_and_names())
     assert adopted.keys() == params.keys()
     if all(p.data_ptr() for p in adopted.values()):  # 0 on mindspore 2.7 for a host tensor

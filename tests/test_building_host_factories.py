@@ -24,23 +24,37 @@ def _host_factories():
 
 # (function, args, kwargs) mindone calls in __init__; empty's values are undefined: compared by shape and dtype
 HOST_FORMS = [
-    ("mint.ones", (4,), {}), ("mint.ones", ((2, 3),), {}), ("mint.ones", ([3],), {"dtype": ms.bfloat16}),
-    ("mint.ones", ((),), {"dtype": ms.int32}), ("mint.zeros", (5,), {"dtype": ms.bool_}),
-    ("mint.zeros", ((2, 2),), {"dtype": ms.float16}), ("mint.zeros", (2,), {"dtype": ms.int64}), ("mint.zeros", (0,), {}),
-    ("mint.empty", (2, 3), {}), ("mint.empty", ((3,),), {"dtype": ms.float16}),
-    ("mint.empty", (4,), {"dtype": None, "device": None}), ("mint.empty", (64, 64, 64), {}),
+    ("mint.ones", (4,), {}),
+    ("mint.ones", ((2, 3),), {}),
+    ("mint.ones", ([3],), {"dtype": ms.bfloat16}),
+    ("mint.ones", ((),), {"dtype": ms.int32}),
+    ("mint.zeros", (5,), {"dtype": ms.bool_}),
+    ("mint.zeros", ((2, 2),), {"dtype": ms.float16}),
+    ("mint.zeros", (2,), {"dtype": ms.int64}),
+    ("mint.zeros", (0,), {}),
+    ("mint.empty", (2, 3), {}),
+    ("mint.empty", ((3,),), {"dtype": ms.float16}),
+    ("mint.empty", (4,), {"dtype": None, "device": None}),
+    ("mint.empty", (64, 64, 64), {}),
     # above HostFactories.MAX_ELEMENTS: an empty array wrapped without a copy costs nothing at any size
     ("mint.empty", (64, 64, 65), {}),
-    ("ops.ones", (4,), {}), ("ops.ones", ((2, 3), ms.float16), {}), ("ops.zeros", ([2],), {"dtype": ms.int32}),
+    ("ops.ones", (4,), {}),
+    ("ops.ones", ((2, 3), ms.float16), {}),
+    ("ops.zeros", ([2],), {"dtype": ms.int32}),
 ]
 # forms left to mindspore: not an int size, a device, a dtype without a numpy counterpart
 MINDSPORE_FORMS = [
-    ("mint.ones", (np.int64(3),), {}), ("mint.zeros", ((np.int64(2), 3),), {}), ("mint.ones", (ms.Tensor([2, 3]),), {}),
-    ("mint.empty", (2,), {"device": "CPU"}), ("mint.empty", (2,), {"pin_memory": False}),
-    ("mint.ones", (2,), {"dtype": ms.complex64}), ("mint.ones", (2,), {"dtype": ms.uint16}),
+    ("mint.ones", (np.int64(3),), {}),
+    ("mint.zeros", ((np.int64(2), 3),), {}),
+    ("mint.ones", (ms.Tensor([2, 3]),), {}),
+    ("mint.empty", (2,), {"device": "CPU"}),
+    ("mint.empty", (2,), {"pin_memory": False}),
+    ("mint.ones", (2,), {"dtype": ms.complex64}),
+    ("mint.ones", (2,), {"dtype": ms.uint16}),
     ("ops.ones", (ms.Tensor([2, 3]),), {}),
     # filled, or converted on the host (bf16), above HostFactories.MAX_ELEMENTS: mindspore's op costs less
-    ("mint.ones", ((513, 512),), {}), ("ops.zeros", ((1 << 18) + 1,), {}),
+    ("mint.ones", ((513, 512),), {}),
+    ("ops.zeros", ((1 << 18) + 1,), {}),
     ("mint.empty", ((64, 64, 65),), {"dtype": ms.bfloat16}),
 ]
 
@@ -91,8 +105,9 @@ def test_host_factories_make_what_mindspore_makes(python_proc):
     In a process of its own: on 2.7, the failed ops of mindspore's own
     mint.empty calls can surface later in unrelated ops of the same process
     (the next test's, in 2 of 12 runs)."""
-    proc = python_proc("import ms_loadpatch, test_building_host_factories as t; "
-                       "t.host_forms_match_mindspore(); print('SAME')")
+    proc = python_proc(
+        "import ms_loadpatch, test_building_host_factories as t; t.host_forms_match_mindspore(); print('SAME')"
+    )
     assert proc.returncode == 0 and proc.stdout.splitlines()[-1:] == ["SAME"], proc.stdout[-2000:] + proc.stderr[-6000:]
 
 
@@ -160,13 +175,16 @@ def test_host_factories_wrap_their_arrays_without_a_copy(monkeypatch):
     assert converted.dtype == ms.bfloat16 and converted.astype(ms.float32).asnumpy().tolist() == [1.0, 1.0]
 
 
-@pytest.mark.parametrize("from_numpy", [
-    lambda array: ms.Tensor(array.copy()),  # copies: nothing gained, arrays copied by Tensor(array) instead
-    lambda array: ms.Tensor(array).astype(ms.float16),  # another dtype
-    lambda array: array,  # not a Tensor
-    lambda array: ms.Tensor.from_numpy_gone,  # raises (AttributeError)
-    None,  # not callable
-])
+@pytest.mark.parametrize(
+    "from_numpy",
+    [
+        lambda array: ms.Tensor(array.copy()),  # copies: nothing gained, arrays copied by Tensor(array) instead
+        lambda array: ms.Tensor(array).astype(ms.float16),  # another dtype
+        lambda array: array,  # not a Tensor
+        lambda array: ms.Tensor.from_numpy_gone,  # raises (AttributeError)
+        None,  # not callable
+    ],
+)
 def test_host_factories_copy_arrays_when_from_numpy_does_not_wrap_them(monkeypatch, from_numpy):
     technique = _host_factories()
     monkeypatch.setattr(ms.Tensor, "from_numpy", None if from_numpy is None else staticmethod(from_numpy))
@@ -202,9 +220,15 @@ def test_host_factories_leave_to_mindspore_what_it_does_otherwise(monkeypatch):
         return made
 
     assert technique._host(("mint", "empty"), deferred, (2,), {"dtype": ms.float16}) is None
-    assert technique._host(("ops", "ones"), lambda size, dtype=None: ms.mint.ones(size, dtype=ms.float16), (2,), {}) is None
-    assert technique.checked == {("mint", "empty", ms.float32): False, ("mint", "empty", ms.float16): False,
-                                 ("ops", "ones", ms.float32): False}
+    assert (
+        technique._host(("ops", "ones"), lambda size, dtype=None: ms.mint.ones(size, dtype=ms.float16), (2,), {})
+        is None
+    )
+    assert technique.checked == {
+        ("mint", "empty", ms.float32): False,
+        ("mint", "empty", ms.float16): False,
+        ("ops", "ones", ms.float32): False,
+    }
     made = technique._host(("mint", "zeros"), ms.mint.zeros, (3,), {})
     assert made.asnumpy().tolist() == [0.0, 0.0, 0.0] and technique.checked[("mint", "zeros", ms.float32)] is True
     with CONSTRUCTION_LOCK, lazy_construction(fast=True):
@@ -245,8 +269,9 @@ def test_host_factories_probe_catches_a_different_tensor(monkeypatch):
     assert probe.run_probe(technique) is None
     host, prepare = technique._host, technique.prepare
     # float32 ones made as twos: shape and dtype right, values wrong
-    monkeypatch.setattr(technique, "_host",
-                        lambda *a: made * 2 if (made := host(*a)) is not None and made.dtype == ms.float32 else made)
+    monkeypatch.setattr(
+        technique, "_host", lambda *a: made * 2 if (made := host(*a)) is not None and made.dtype == ms.float32 else made
+    )
     assert "values differ" in probe.run_probe(technique)
     monkeypatch.setattr(technique, "_host", host)
 

@@ -22,8 +22,15 @@ import numpy as np
 import pytest
 from mindspore import nn
 
-from _building_helpers import (DF_ARCHS, MOE_FAMILIES, TF_ARCHS, assert_same_state, seeded_load,
-                               sibling_clone_technique, techniques_off)
+from _building_helpers import (
+    DF_ARCHS,
+    MOE_FAMILIES,
+    TF_ARCHS,
+    assert_same_state,
+    seeded_load,
+    sibling_clone_technique,
+    techniques_off,
+)
 from _building_helpers import checkpoints  # noqa: F401  (a fixture)
 import ms_loadpatch
 from ms_loadpatch.strategy import building, context
@@ -56,7 +63,9 @@ def test_transformers_same_objects(checkpoints, arch):
     assert_same_state(reference, fast, skip=NEVER_DRAWN)
     assert_same_model(reference, fast)
     assert [n for n, _ in reference.cells_and_names()] == [n for n, _ in fast.cells_and_names()]
-    assert {n: p.name for n, p in reference.parameters_and_names()} == {n: p.name for n, p in fast.parameters_and_names()}
+    assert {n: p.name for n, p in reference.parameters_and_names()} == {
+        n: p.name for n, p in fast.parameters_and_names()
+    }
 
 
 @pytest.mark.parametrize("arch", ["mixtral", "t5"])
@@ -178,8 +187,14 @@ def test_diffusers_forward_and_training_step(checkpoints):
     def tensor(*shape):
         return ms.Tensor(rng.standard_normal(shape).astype(np.float32))
 
-    inputs = dict(hidden_states=tensor(1, 16, 4), encoder_hidden_states=tensor(1, 8, 32), pooled_projections=tensor(1, 32),
-                  img_ids=tensor(16, 3), txt_ids=tensor(8, 3), timestep=ms.Tensor([1.0]))
+    inputs = dict(
+        hidden_states=tensor(1, 16, 4),
+        encoder_hidden_states=tensor(1, 8, 32),
+        pooled_projections=tensor(1, 32),
+        img_ids=tensor(16, 3),
+        txt_ids=tensor(8, 3),
+        timestep=ms.Tensor([1.0]),
+    )
 
     def loss_of(model, hidden, context, timestep, pooled):
         temb = model.time_text_embed(timestep, pooled)
@@ -188,10 +203,15 @@ def test_diffusers_forward_and_training_step(checkpoints):
 
     with flux_cpu_routes():
         assert reference(**inputs)[0].asnumpy().tobytes() == accelerated(**inputs)[0].asnumpy().tobytes()
-        step_inputs = (inputs["hidden_states"], inputs["encoder_hidden_states"], inputs["timestep"],
-                       inputs["pooled_projections"])
-        _assert_bits_equal(_train_step(reference, step_inputs, loss_of=loss_of),
-                           _train_step(accelerated, step_inputs, loss_of=loss_of))
+        step_inputs = (
+            inputs["hidden_states"],
+            inputs["encoder_hidden_states"],
+            inputs["timestep"],
+            inputs["pooled_projections"],
+        )
+        _assert_bits_equal(
+            _train_step(reference, step_inputs, loss_of=loss_of), _train_step(accelerated, step_inputs, loss_of=loss_of)
+        )
 
 
 def test_diffusers_from_config_same_objects():
@@ -235,6 +255,7 @@ def test_jit_forward_and_gradients():
     x = ms.Tensor(np.linspace(-2, 2, 18, dtype=np.float32).reshape(3, 6))
     results = []
     for model in (plain, fast):
+
         @ms.jit
         def loss(inputs, model=model):
             return model(inputs).sum()

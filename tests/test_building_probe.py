@@ -38,11 +38,23 @@ def test_every_probe_passes_on_this_mindspore():
 def test_env_var_switches_techniques_off():
     with techniques_off("signature-cache, gc-pause"):
         states = {r["name"]: r["state"] for r in building.technique_status()}
-        assert states == {"cell-init-template": "active", "signature-cache": "off", "primitive-defaults": "active",
-                          "flat-name-walk": "active", "sibling-clone": "active", "gc-pause": "off",
-                          "host-factories": "active", "deferred-writes": "active", "batched-draws": "active"}
-        assert [t.name for t in building.active_techniques()] == ["cell-init-template", "primitive-defaults",
-                                                                   "flat-name-walk", "sibling-clone"]
+        assert states == {
+            "cell-init-template": "active",
+            "signature-cache": "off",
+            "primitive-defaults": "active",
+            "flat-name-walk": "active",
+            "sibling-clone": "active",
+            "gc-pause": "off",
+            "host-factories": "active",
+            "deferred-writes": "active",
+            "batched-draws": "active",
+        }
+        assert [t.name for t in building.active_techniques()] == [
+            "cell-init-template",
+            "primitive-defaults",
+            "flat-name-walk",
+            "sibling-clone",
+        ]
         assert [t.name for t in building.active_techniques(early=True)] == ["host-factories"]
     with techniques_off("deferred-writes"):
         assert deferred_writes.usable_kinds() == frozenset()
@@ -173,10 +185,22 @@ class _DefaultsWithoutInitAttrs(building.PrimitiveDefaults):
         prim.init_attrs.clear()
 
 
-@pytest.mark.parametrize("broken", [_DefaultsWithoutAttributes, _DefaultsWithoutInitAttrs, _WrongPrefixTemplate,
-                                    _UnprefixedWalk, _ValueChangingWalk, _SharedContainers,
-                                    _SharedParameters, _CopiedReferences, _SharedOwnCopies, _SharedTensors,
-                                    _ZeroTensors])
+@pytest.mark.parametrize(
+    "broken",
+    [
+        _DefaultsWithoutAttributes,
+        _DefaultsWithoutInitAttrs,
+        _WrongPrefixTemplate,
+        _UnprefixedWalk,
+        _ValueChangingWalk,
+        _SharedContainers,
+        _SharedParameters,
+        _CopiedReferences,
+        _SharedOwnCopies,
+        _SharedTensors,
+        _ZeroTensors,
+    ],
+)
 def test_probe_catches_a_wrong_fast_path(broken):
     reason = probe.run_probe(broken())
     assert reason is not None and ("differs" in reason or "registries" in reason), reason
@@ -217,8 +241,9 @@ def test_techniques_that_differ_only_together_all_fail(monkeypatch):
 def test_failed_probe_skips_and_load_stays_identical(checkpoints, monkeypatch):
     failing = {name: "simulated probe failure" for name in NAMES}
     monkeypatch.setattr(building, "_probe_results", failing)
-    monkeypatch.setattr(deferred_writes, "_verified",
-                        (frozenset(), {kind: "simulated probe failure" for kind in deferred_writes.KINDS}))
+    monkeypatch.setattr(
+        deferred_writes, "_verified", (frozenset(), {kind: "simulated probe failure" for kind in deferred_writes.KINDS})
+    )
     monkeypatch.setattr(batched_draws, "_batched", ["simulated probe failure", False])
     rows = building.technique_status()
     assert {r["state"] for r in rows} == {"skipped"} and all("simulated" in r["reason"] for r in rows)

@@ -77,7 +77,8 @@ class _Rotary(nn.Cell):
     def __init__(self, dim, bf16=False):
         super().__init__()
         self.inv_freq = (1.0 / (10000 ** (ms.ops.ones(dim // 2).cumsum(0) / dim))).astype(
-            ms.bfloat16 if bf16 else ms.float32)
+            ms.bfloat16 if bf16 else ms.float32
+        )
         self.original_inv_freq = self.inv_freq
         self.register_buffer("positions", ms.Tensor(np.arange(4, dtype=np.int64)) * 2, persistent=False)
         self.proj = ms.mint.nn.Linear(dim, dim)
@@ -114,12 +115,30 @@ def test_bf16_tensors_leave_the_build_to_init():
 
 
 ROTARY_PER_ATTENTION = {  # families that build a rotary embedding in every attention layer: copies from the fourth
-    "jetmoe": (mt.JetMoeForCausalLM, lambda: hf.JetMoeConfig(
-        vocab_size=128, hidden_size=32, num_key_value_heads=2, kv_channels=8, num_hidden_layers=6,
-        intermediate_size=16, num_local_experts=4, num_experts_per_tok=2)),
-    "dbrx": (mt.DbrxForCausalLM, lambda: hf.DbrxConfig(
-        vocab_size=128, d_model=32, n_heads=4, n_layers=6, attn_config={"kv_n_heads": 2},
-        ffn_config={"ffn_hidden_size": 16, "moe_num_experts": 4, "moe_top_k": 2})),
+    "jetmoe": (
+        mt.JetMoeForCausalLM,
+        lambda: hf.JetMoeConfig(
+            vocab_size=128,
+            hidden_size=32,
+            num_key_value_heads=2,
+            kv_channels=8,
+            num_hidden_layers=6,
+            intermediate_size=16,
+            num_local_experts=4,
+            num_experts_per_tok=2,
+        ),
+    ),
+    "dbrx": (
+        mt.DbrxForCausalLM,
+        lambda: hf.DbrxConfig(
+            vocab_size=128,
+            d_model=32,
+            n_heads=4,
+            n_layers=6,
+            attn_config={"kv_n_heads": 2},
+            ffn_config={"ffn_hidden_size": 16, "moe_num_experts": 4, "moe_top_k": 2},
+        ),
+    ),
 }
 
 
@@ -145,8 +164,12 @@ def test_load_report_and_status_say_what_was_copied_and_why_not(checkpoints):
     norm = next(name for name in report.not_copied if name.endswith("Qwen3MoeRMSNorm"))
     assert "not lazy" in report.not_copied[norm]
     build = ms_loadpatch.status()["last_build"]
-    assert build == {"engaged_at": 0, "cells_copied": report.cells_copied, "not_copied": report.not_copied,
-                     "host_tensors": report.host_tensors}
+    assert build == {
+        "engaged_at": 0,
+        "cells_copied": report.cells_copied,
+        "not_copied": report.not_copied,
+        "host_tensors": report.host_tensors,
+    }
 
 
 class _Inner(nn.Cell):
@@ -177,9 +200,16 @@ def test_a_block_of_copied_experts_gets_no_recipe_of_its_own():
     experts = building.SiblingClone.COPIES_INSIDE_LIMIT + 4
 
     def config():
-        return hf.MixtralConfig(vocab_size=128, hidden_size=32, num_hidden_layers=4, num_attention_heads=4,
-                                num_key_value_heads=2, intermediate_size=16, num_local_experts=experts,
-                                num_experts_per_tok=2)
+        return hf.MixtralConfig(
+            vocab_size=128,
+            hidden_size=32,
+            num_hidden_layers=4,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            intermediate_size=16,
+            num_local_experts=experts,
+            num_experts_per_tok=2,
+        )
 
     technique = sibling_clone_technique()
     ms.set_seed(1)
@@ -197,6 +227,7 @@ def test_a_block_of_copied_experts_gets_no_recipe_of_its_own():
 
 class _Counted(nn.Cell):
     """Each build differs (a class-level counter): never copied."""
+
     builds = 0
 
     def __init__(self, width):

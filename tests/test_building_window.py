@@ -107,7 +107,7 @@ def _start_child(python_proc, start, *args):
     proc = python_proc(["-c", _START_CHILD, *args], env_extra=env, env_drop=(window.START_ENV_VAR,))
     lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
     assert proc.returncode == 0 and lines, proc.stderr[-4000:]
-    return json.loads(lines[-1][len("RESULT "):])
+    return json.loads(lines[-1][len("RESULT ") :])
 
 
 def test_default_start_builds_a_small_model_plainly(python_proc, checkpoints):
@@ -170,9 +170,16 @@ def large_checkpoints(tmp_path_factory):
     """A Mixtral of more than EARLY_START_TENSORS tensors (2 layers x 100
     experts), as one file and sharded (an index listing them)."""
     root = tmp_path_factory.mktemp("large")
-    config = hf.MixtralConfig(vocab_size=64, hidden_size=16, num_hidden_layers=2, num_attention_heads=2,
-                              num_key_value_heads=1, intermediate_size=8, num_local_experts=100,
-                              num_experts_per_tok=2)
+    config = hf.MixtralConfig(
+        vocab_size=64,
+        hidden_size=16,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        intermediate_size=8,
+        num_local_experts=100,
+        num_experts_per_tok=2,
+    )
     with ms_loadpatch.disabled(), cpu_kernel_fallbacks():
         ms.set_seed(0)
         model = mt.MixtralForCausalLM(config)
@@ -192,7 +199,7 @@ def test_large_checkpoint_engages_from_the_first_cell(python_proc, large_checkpo
     proc = python_proc(["-c", _LARGE_CHILD, path], env_drop=(window.START_ENV_VAR,))
     lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
     assert proc.returncode == 0 and lines, proc.stderr[-4000:]
-    out = json.loads(lines[-1][len("RESULT "):])
+    out = json.loads(lines[-1][len("RESULT ") :])
     assert out["tensors"] >= window.EARLY_START_TENSORS
     assert out["report_from"] == 0 and out["cells_copied"] > 0 and out["leftovers"] == []
 

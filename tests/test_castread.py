@@ -35,8 +35,11 @@ def _write_safetensors(path, tensors):
     """safetensors.numpy cannot write bf16: the format written by hand."""
     header, offset = {"__metadata__": {"format": "np"}}, 0
     for name, array in tensors.items():
-        header[name] = {"dtype": _CODES[array.dtype.name], "shape": list(array.shape),
-                        "data_offsets": [offset, offset + array.nbytes]}
+        header[name] = {
+            "dtype": _CODES[array.dtype.name],
+            "shape": list(array.shape),
+            "data_offsets": [offset, offset + array.nbytes],
+        }
         offset += array.nbytes
     text = json.dumps(header).encode()
     text += b" " * (-len(text) % 8)
@@ -49,8 +52,10 @@ def mixed_file(tmp_path):
     """fp32, fp16, bf16 and integer tensors of odd sizes, back to back, with
     NaNs, infinities, subnormals and ties in the floats; one empty tensor."""
     rng = np.random.default_rng(0)
-    specials = np.array([np.nan, -np.nan, np.inf, -np.inf, 1e-40, -1e-45, 0.0, -0.0, 1 + 2**-8, 1 + 3 * 2**-8,
-                         65520.0, 3.4e38], dtype=np.float32)
+    specials = np.array(
+        [np.nan, -np.nan, np.inf, -np.inf, 1e-40, -1e-45, 0.0, -0.0, 1 + 2**-8, 1 + 3 * 2**-8, 65520.0, 3.4e38],
+        dtype=np.float32,
+    )
     payload_nan = np.array([0x7F800001, 0xFFC00001, 0x7FBFFFFF], dtype=np.uint32).view(np.float32)
     tensors = {
         "a": rng.standard_normal((37, 11)).astype(np.float32),

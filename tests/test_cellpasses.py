@@ -65,7 +65,7 @@ def test_probe_passes_and_status_lists_it():
 
 @pytest.mark.parametrize("name", cellpasses.NAMES + ("_params", "weight", "missing", "construct", "cls_name"))
 def test_has_attribute_answers_as_hasattr(name):
-    for (_, cell) in _tree().cells_and_names():
+    for _, cell in _tree().cells_and_names():
         assert cellpasses.has_attribute(cell, name) == hasattr(cell, name), (type(cell).__name__, name)
 
 

@@ -43,8 +43,10 @@ def test_target_patch_cycle(order_report, target):
 
 
 def test_import_does_not_import_mindspore():
-    proc = run_python("import sys, ms_loadpatch; print('REPORT', __import__('json').dumps(sorted("
-                      "m for m in sys.modules if m.split('.')[0] in ('mindspore', 'mindone'))))")
+    proc = run_python(
+        "import sys, ms_loadpatch; print('REPORT', __import__('json').dumps(sorted("
+        "m for m in sys.modules if m.split('.')[0] in ('mindspore', 'mindone'))))"
+    )
     assert report_of(proc) == []
 
 
@@ -103,8 +105,12 @@ def test_target_requirement_skips_with_reason(monkeypatch):
     from ms_loadpatch import core
     from ms_loadpatch.targets import Target
 
-    target = Target("mindone.transformers.modeling_utils", "load_state_dict",
-                    "ms_loadpatch.glue.transformers:load_state_dict", requires={"mindone": ">=9"})
+    target = Target(
+        "mindone.transformers.modeling_utils",
+        "load_state_dict",
+        "ms_loadpatch.glue.transformers:load_state_dict",
+        requires={"mindone": ">=9"},
+    )
     patcher = core._Patcher((target,))
     assert patcher.enable() is True
     row = patcher.status()["targets"][0]
@@ -115,7 +121,9 @@ def test_target_requirement_skips_with_reason(monkeypatch):
 # -- activation without code changes
 
 
-ENABLED_PROBE = "import sys, json; m = sys.modules.get('ms_loadpatch'); print('REPORT', json.dumps(bool(m and m.is_enabled())))"
+ENABLED_PROBE = (
+    "import sys, json; m = sys.modules.get('ms_loadpatch'); print('REPORT', json.dumps(bool(m and m.is_enabled())))"
+)
 
 
 @pytest.mark.skipif(not installed_pth(), reason="the .pth hook is placed by a wheel install (CI installs one)")
@@ -132,14 +140,16 @@ def test_env_var_off_switch_on_import(value, expected):
 
 def test_launcher_passes_arguments_and_exit_code(tmp_path):
     script = tmp_path / "train.py"
-    script.write_text(textwrap.dedent(
-        """
+    script.write_text(
+        textwrap.dedent(
+            """
         import json, sys
         m = sys.modules.get('ms_loadpatch')
         print('REPORT', json.dumps({'argv': sys.argv[1:], 'enabled': bool(m and m.is_enabled())}))
         sys.exit(int(sys.argv[1]))
         """
-    ))
+        )
+    )
     proc = run_python(["-m", "ms_loadpatch", "run", "--", sys.executable, str(script), "7", "--lr", "a b"])
     assert proc.returncode == 7, proc.stderr
     assert report_of(proc) == {"argv": ["7", "--lr", "a b"], "enabled": True}
@@ -148,8 +158,9 @@ def test_launcher_passes_arguments_and_exit_code(tmp_path):
 def test_launcher_chains_existing_sitecustomize(tmp_path):
     (tmp_path / "sitecustomize.py").write_text("import os; os.environ['USER_SITECUSTOMIZE_RAN'] = '1'\n")
     code = "import os, json; print('REPORT', json.dumps(os.environ.get('USER_SITECUSTOMIZE_RAN')))"
-    proc = run_python(["-m", "ms_loadpatch", "run", "--", sys.executable, "-c", code],
-                      env_extra={"PYTHONPATH": str(tmp_path)})
+    proc = run_python(
+        ["-m", "ms_loadpatch", "run", "--", sys.executable, "-c", code], env_extra={"PYTHONPATH": str(tmp_path)}
+    )
     assert report_of(proc) == "1"
 
 
@@ -161,7 +172,7 @@ def test_launcher_missing_command():
 def test_status_command_prints_targets():
     proc = run_python(["-m", "ms_loadpatch", "status", "--json"])
     assert proc.returncode == 0, proc.stderr
-    status = json.loads(proc.stdout[proc.stdout.index("{"):])
+    status = json.loads(proc.stdout[proc.stdout.index("{") :])
     assert status["enabled"] is True
     features = {t.key for t in TARGETS if t.feature is not None}
     assert {row["state"] for row in status["targets"] if row["target"] not in features} == {"patched"}

@@ -110,13 +110,15 @@ def test_without_in_place_fallbacks_patched_loads_as_unpatched(tmp_path, family)
     import json
     import subprocess
 
-    code = _PLAIN_WHEEL_CHILD.format(tests=os.path.dirname(os.path.abspath(__file__)), family=family,
-                                     directory=str(tmp_path / family))
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600,
-                          env={**os.environ, "GLOG_v": "3"})
+    code = _PLAIN_WHEEL_CHILD.format(
+        tests=os.path.dirname(os.path.abspath(__file__)), family=family, directory=str(tmp_path / family)
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=600, env={**os.environ, "GLOG_v": "3"}
+    )
     line = next((text for text in proc.stdout.splitlines() if text.startswith("RESULT ")), None)
     assert line is not None, proc.stderr[-3000:]
-    result = json.loads(line[len("RESULT "):])
+    result = json.loads(line[len("RESULT ") :])
     assert result["leftovers"] == []
     if result["ref_error"] is None:
         assert result["acc_error"] is None and result["problems"] == [], result

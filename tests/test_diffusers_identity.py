@@ -40,23 +40,53 @@ CONFIGS = {
     "UNet2DConditionModel": tiny_unet(),
     "AutoencoderKL": tiny_vae(),
     "FluxTransformer2DModel": dict(
-        patch_size=1, in_channels=4, num_layers=1, num_single_layers=1, attention_head_dim=16, num_attention_heads=2,
-        joint_attention_dim=32, pooled_projection_dim=32, axes_dims_rope=[4, 4, 8],
+        patch_size=1,
+        in_channels=4,
+        num_layers=1,
+        num_single_layers=1,
+        attention_head_dim=16,
+        num_attention_heads=2,
+        joint_attention_dim=32,
+        pooled_projection_dim=32,
+        axes_dims_rope=[4, 4, 8],
     ),
     "UNet3DConditionModel": dict(
-        block_out_channels=(4, 8), norm_num_groups=4, layers_per_block=1, sample_size=8, in_channels=4,
-        out_channels=4, down_block_types=("CrossAttnDownBlock3D", "DownBlock3D"),
-        up_block_types=("UpBlock3D", "CrossAttnUpBlock3D"), cross_attention_dim=8, attention_head_dim=2,
+        block_out_channels=(4, 8),
+        norm_num_groups=4,
+        layers_per_block=1,
+        sample_size=8,
+        in_channels=4,
+        out_channels=4,
+        down_block_types=("CrossAttnDownBlock3D", "DownBlock3D"),
+        up_block_types=("UpBlock3D", "CrossAttnUpBlock3D"),
+        cross_attention_dim=8,
+        attention_head_dim=2,
     ),
     "AutoencoderKLCogVideoX": dict(
-        block_out_channels=(8, 8), latent_channels=4, layers_per_block=1, norm_num_groups=2,
-        temporal_compression_ratio=4, down_block_types=("CogVideoXDownBlock3D",) * 2,
-        up_block_types=("CogVideoXUpBlock3D",) * 2, in_channels=3, out_channels=3,
+        block_out_channels=(8, 8),
+        latent_channels=4,
+        layers_per_block=1,
+        norm_num_groups=2,
+        temporal_compression_ratio=4,
+        down_block_types=("CogVideoXDownBlock3D",) * 2,
+        up_block_types=("CogVideoXUpBlock3D",) * 2,
+        in_channels=3,
+        out_channels=3,
     ),
     "CosmosTransformer3DModel": dict(
-        in_channels=4, out_channels=4, num_attention_heads=2, attention_head_dim=12, num_layers=2, mlp_ratio=2,
-        text_embed_dim=16, adaln_lora_dim=4, max_size=(4, 32, 32), patch_size=(1, 2, 2), rope_scale=(2.0, 1.0, 1.0),
-        concat_padding_mask=True, extra_pos_embed_type="learnable",
+        in_channels=4,
+        out_channels=4,
+        num_attention_heads=2,
+        attention_head_dim=12,
+        num_layers=2,
+        mlp_ratio=2,
+        text_embed_dim=16,
+        adaln_lora_dim=4,
+        max_size=(4, 32, 32),
+        patch_size=(1, 2, 2),
+        rope_scale=(2.0, 1.0, 1.0),
+        concat_padding_mask=True,
+        extra_pos_embed_type="learnable",
     ),
 }
 SHARD = "12KB"  # several shards even for the smallest model
@@ -159,8 +189,14 @@ def _final_dtypes(model):
 @pytest.mark.parametrize(
     "ckpt,sharded",
     # .ci/matrix runs fp32 and bf16-sharded, in every target dtype, on every mindspore version
-    [pytest.param(FP32, False, marks=pytest.mark.matrix), (FP32, True), (FP16, False), (FP16, True), (BF16, False),
-     pytest.param(BF16, True, marks=pytest.mark.matrix)],
+    [
+        pytest.param(FP32, False, marks=pytest.mark.matrix),
+        (FP32, True),
+        (FP16, False),
+        (FP16, True),
+        (BF16, False),
+        pytest.param(BF16, True, marks=pytest.mark.matrix),
+    ],
     ids=["fp32", "fp32-sharded", "fp16", "fp16-sharded", "bf16", "bf16-sharded"],
 )
 def test_unet2d_dtype_matrix(ckpts, ckpt, sharded, target):
@@ -189,8 +225,9 @@ MODEL_CASES = [
 ]
 
 
-@pytest.mark.parametrize("ckpt,sharded,target", MODEL_CASES,
-                         ids=["fp32-as-none", "fp32-as-bf16", "bf16-sharded-as-bf16", "fp16-as-fp32"])
+@pytest.mark.parametrize(
+    "ckpt,sharded,target", MODEL_CASES, ids=["fp32-as-none", "fp32-as-bf16", "bf16-sharded-as-bf16", "fp16-as-fp32"]
+)
 @pytest.mark.parametrize("name", [n for n in CONFIGS if n != "UNet2DConditionModel"])
 def test_architectures(ckpts, name, ckpt, sharded, target):
     reference, accelerated = _load_pair(name, ckpts.path(name, ckpt, sharded), mindspore_dtype=target)
@@ -260,9 +297,11 @@ def test_files_read_ahead(ckpts, tmp_path, monkeypatch, layout, kwargs):
     identical."""
     name = "UNet2DConditionModel"
     sources = {
-        "single": ckpts.path(name, BF16), "sharded": ckpts.path(name, BF16, sharded=True),
+        "single": ckpts.path(name, BF16),
+        "sharded": ckpts.path(name, BF16, sharded=True),
         "variant": os.path.join(ckpts.root, name, "with-variant"),
-        "subfolder": ckpts.path(name, FP16), "subfolder-sharded": ckpts.path(name, FP16, sharded=True),
+        "subfolder": ckpts.path(name, FP16),
+        "subfolder-sharded": ckpts.path(name, FP16, sharded=True),
     }
     path = sources[layout]
     if layout.startswith("subfolder"):
@@ -401,7 +440,9 @@ def test_mismatched_sizes(ckpts, tmp_path):
     (reference, ref_info), (accelerated, acc_info) = _load_pair(
         name, str(tmp_path / "ckpt"), output_loading_info=True, ignore_mismatched_sizes=True
     )
-    assert dict(accelerated.parameters_and_names())[key].has_init == dict(reference.parameters_and_names())[key].has_init
+    assert (
+        dict(accelerated.parameters_and_names())[key].has_init == dict(reference.parameters_and_names())[key].has_init
+    )
     assert acc_info == ref_info and [m[0] for m in acc_info["mismatched_keys"]] == [key]
     _assert_same_after_first_use(reference, accelerated)
 
@@ -500,7 +541,7 @@ def test_parallel_flag_set_at_import(ckpts):
     proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     line = next((text for text in proc.stdout.splitlines() if text.startswith("REPORT ")), None)
     assert line, proc.stderr[-3000:]
-    result = json.loads(line[len("REPORT "):])
+    result = json.loads(line[len("REPORT ") :])
     assert result == {
         "unpatched": "NotImplementedError",
         "workers": 3,
@@ -517,8 +558,9 @@ def test_concurrent_loads_and_construction(ckpts):
     """Two patched loads in two threads, plus a plain construction in a third:
     each gets its own weights, and the plain one is not left lazy."""
     with ms_loadpatch.disabled(), cpu_kernel_fallbacks():
-        expected_unet = snapshot(D.UNet2DConditionModel.from_pretrained(ckpts.path("UNet2DConditionModel", BF16),
-                                                                        mindspore_dtype=BF16))
+        expected_unet = snapshot(
+            D.UNet2DConditionModel.from_pretrained(ckpts.path("UNet2DConditionModel", BF16), mindspore_dtype=BF16)
+        )
         expected_vae = snapshot(D.AutoencoderKL.from_pretrained(ckpts.path("AutoencoderKL", FP32, sharded=True)))
     results, errors = {}, []
 
@@ -531,12 +573,26 @@ def test_concurrent_loads_and_construction(ckpts):
 
     with ms_loadpatch.enabled(), cpu_kernel_fallbacks():
         threads = [
-            threading.Thread(target=run, args=("unet", lambda: D.UNet2DConditionModel.from_pretrained(
-                ckpts.path("UNet2DConditionModel", BF16), mindspore_dtype=BF16))),
-            threading.Thread(target=run, args=("vae", lambda: D.AutoencoderKL.from_pretrained(
-                ckpts.path("AutoencoderKL", FP32, sharded=True)))),
-            threading.Thread(target=run, args=("plain", lambda: D.AutoencoderKL.from_config(
-                D.AutoencoderKL.load_config(ckpts.path("AutoencoderKL", FP32))))),
+            threading.Thread(
+                target=run,
+                args=(
+                    "unet",
+                    lambda: D.UNet2DConditionModel.from_pretrained(
+                        ckpts.path("UNet2DConditionModel", BF16), mindspore_dtype=BF16
+                    ),
+                ),
+            ),
+            threading.Thread(
+                target=run,
+                args=("vae", lambda: D.AutoencoderKL.from_pretrained(ckpts.path("AutoencoderKL", FP32, sharded=True))),
+            ),
+            threading.Thread(
+                target=run,
+                args=(
+                    "plain",
+                    lambda: D.AutoencoderKL.from_config(D.AutoencoderKL.load_config(ckpts.path("AutoencoderKL", FP32))),
+                ),
+            ),
         ]
         for thread in threads:
             thread.start()
@@ -560,8 +616,14 @@ def test_flux_forward(ckpts):
     def tensor(*shape):
         return ms.Tensor(rng.standard_normal(shape).astype(np.float32))
 
-    inputs = dict(hidden_states=tensor(1, 16, 4), encoder_hidden_states=tensor(1, 8, 32), pooled_projections=tensor(1, 32),
-                  img_ids=tensor(16, 3), txt_ids=tensor(8, 3), timestep=ms.Tensor([1.0]))
+    inputs = dict(
+        hidden_states=tensor(1, 16, 4),
+        encoder_hidden_states=tensor(1, 8, 32),
+        pooled_projections=tensor(1, 32),
+        img_ids=tensor(16, 3),
+        txt_ids=tensor(8, 3),
+        timestep=ms.Tensor([1.0]),
+    )
     outputs = []
     with flux_cpu_routes():
         for model in (reference, accelerated):
@@ -589,7 +651,9 @@ def _tiny_clip_tokenizer(directory):
         json.dump(vocab, f)
     with open(os.path.join(directory, "merges.txt"), "w") as f:
         f.write("\n".join(merges) + "\n")
-    return CLIPTokenizer(os.path.join(directory, "vocab.json"), os.path.join(directory, "merges.txt"), model_max_length=16)
+    return CLIPTokenizer(
+        os.path.join(directory, "vocab.json"), os.path.join(directory, "merges.txt"), model_max_length=16
+    )
 
 
 @pytest.fixture(scope="module")
@@ -602,14 +666,28 @@ def pipeline_dir(ckpts, tmp_path_factory):
     with ms_loadpatch.disabled():
         unet = D.UNet2DConditionModel.from_pretrained(ckpts.path("UNet2DConditionModel", FP32))
         vae = D.AutoencoderKL.from_pretrained(ckpts.path("AutoencoderKL", FP32))
-        config = CLIPTextConfig(vocab_size=len(tokenizer.get_vocab()), hidden_size=8, intermediate_size=16,
-                                num_attention_heads=2, num_hidden_layers=2, max_position_embeddings=16,
-                                bos_token_id=0, eos_token_id=1, pad_token_id=1, projection_dim=8)
+        config = CLIPTextConfig(
+            vocab_size=len(tokenizer.get_vocab()),
+            hidden_size=8,
+            intermediate_size=16,
+            num_attention_heads=2,
+            num_hidden_layers=2,
+            max_position_embeddings=16,
+            bos_token_id=0,
+            eos_token_id=1,
+            pad_token_id=1,
+            projection_dim=8,
+        )
         text_encoder = CLIPTextModel(config)
         pipe = D.StableDiffusionPipeline(
-            vae=vae, text_encoder=text_encoder, tokenizer=tokenizer, unet=unet,
+            vae=vae,
+            text_encoder=text_encoder,
+            tokenizer=tokenizer,
+            unet=unet,
             scheduler=D.PNDMScheduler(skip_prk_steps=True, steps_offset=1),
-            safety_checker=None, feature_extractor=None, requires_safety_checker=False,
+            safety_checker=None,
+            feature_extractor=None,
+            requires_safety_checker=False,
         )
         pipe.save_pretrained(str(root / "sd"))
     return str(root / "sd")
@@ -629,5 +707,7 @@ def test_pipeline(pipeline_dir, monkeypatch, entry, target):
     assert accelerated.tokenizer("the an cat").input_ids == reference.tokenizer("the an cat").input_ids
     assert accelerated.scheduler.config == reference.scheduler.config
     fast = {(r.library, r.model_class) for r in reports if r.technique.split(", cast to ")[0] == glue._TECHNIQUE}
-    assert {("diffusers", "UNet2DConditionModel"), ("diffusers", "AutoencoderKL")} <= fast, [r.summary() for r in reports]
+    assert {("diffusers", "UNet2DConditionModel"), ("diffusers", "AutoencoderKL")} <= fast, [
+        r.summary() for r in reports
+    ]
     assert ("transformers", "CLIPTextModel") in {(r.library, r.model_class) for r in reports}

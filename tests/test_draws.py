@@ -44,8 +44,10 @@ class TwoDraws(Initializer):
 
 def _build(ledger=None):
     """Three parameters: a known one-draw initializer, one the tables do not know, a no-draw one."""
-    return [ms.Parameter(initializer(init, (4, 3), ms.float32), name=f"p{i}")
-            for i, init in enumerate((Normal(0.5), TwoDraws(), "zeros"))]
+    return [
+        ms.Parameter(initializer(init, (4, 3), ms.float32), name=f"p{i}")
+        for i, init in enumerate((Normal(0.5), TwoDraws(), "zeros"))
+    ]
 
 
 @pytest.mark.matrix  # mindspore's initializers and Parameter internals, per version
@@ -152,8 +154,9 @@ class _OwnInitQwen2(mt.Qwen2ForCausalLM):
             if module.bias is not None:
                 module.bias.set_data(initializer(Normal(0.3), module.bias.shape, module.bias.dtype))
         elif isinstance(module, nn.Embedding):
-            module.embedding_table.set_data(initializer(Normal(0.1), module.embedding_table.shape,
-                                                        module.embedding_table.dtype))
+            module.embedding_table.set_data(
+                initializer(Normal(0.1), module.embedding_table.shape, module.embedding_table.dtype)
+            )
 
 
 def _saved(tmp_path_factory, name, build):
@@ -169,8 +172,15 @@ def _saved(tmp_path_factory, name, build):
 def lacking_checkpoint(tmp_path_factory):
     """A tiny Qwen2 checkpoint without some weights of several kinds."""
     root = _saved(tmp_path_factory, "draws", lambda: mt.Qwen2ForCausalLM(tiny_qwen2_config()))
-    return _without(root, ("model.layers.0.self_attn.q_proj.weight", "model.layers.0.self_attn.q_proj.bias",
-                           "model.layers.1.mlp.down_proj.weight", "model.embed_tokens.embedding_table"))
+    return _without(
+        root,
+        (
+            "model.layers.0.self_attn.q_proj.weight",
+            "model.layers.0.self_attn.q_proj.bias",
+            "model.layers.1.mlp.down_proj.weight",
+            "model.embed_tokens.embedding_table",
+        ),
+    )
 
 
 def _without(root, keys):
@@ -215,9 +225,16 @@ def test_init_pass_failure_raises_as_unpatched_and_leaves_nothing(lacking_checkp
 
 
 def _mixtral(experts=8):
-    return hf.MixtralConfig(vocab_size=128, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-                            num_key_value_heads=2, intermediate_size=16, num_local_experts=experts,
-                            num_experts_per_tok=2)
+    return hf.MixtralConfig(
+        vocab_size=128,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=16,
+        num_local_experts=experts,
+        num_experts_per_tok=2,
+    )
 
 
 def _drawing_python_random_too(init_weights):
@@ -418,9 +435,14 @@ def test_a_seed_made_from_words_reaches_the_initializer_as_randint_gives_it(monk
 def mixtral_lacking_experts(tmp_path_factory):
     """A tiny Mixtral checkpoint without the weights of several copied experts."""
     root = _saved(tmp_path_factory, "draws-mixtral-lacking", lambda: mt.MixtralForCausalLM(_mixtral()))
-    return _without(root, ("model.layers.0.block_sparse_moe.experts.5.w1.weight",
-                           "model.layers.1.block_sparse_moe.experts.6.w2.weight",
-                           "model.layers.1.block_sparse_moe.experts.7.w3.weight"))
+    return _without(
+        root,
+        (
+            "model.layers.0.block_sparse_moe.experts.5.w1.weight",
+            "model.layers.1.block_sparse_moe.experts.6.w2.weight",
+            "model.layers.1.block_sparse_moe.experts.7.w3.weight",
+        ),
+    )
 
 
 @pytest.mark.parametrize("mode", ["copies-and-replays", "replays", "one-by-one"])
@@ -462,8 +484,12 @@ def test_owed_draws_come_before_a_draw_taken_at_once():
 
     def seeds(owe):
         ledger = draws.Ledger()
-        made = [initializer(Normal(0.1), (2, 3), ms.float32), initializer(Normal(0.1), (2, 3), ms.float32),
-                initializer(Normal(0.2), (4, 5), ms.float32), initializer(Normal(0.1), (2, 3), ms.float32)]
+        made = [
+            initializer(Normal(0.1), (2, 3), ms.float32),
+            initializer(Normal(0.1), (2, 3), ms.float32),
+            initializer(Normal(0.2), (4, 5), ms.float32),
+            initializer(Normal(0.1), (2, 3), ms.float32),
+        ]
         np.random.seed(7)
         with draws.accounting(ledger):
             ledger.take(made[0])  # Normal(0.1), (2, 3) seen drawing

@@ -32,16 +32,43 @@ from _process_state import assert_state_restored, process_state, raised
 # name -> (class, config, file dtype, max shard size, dtype asked at load)
 SPECS = {
     "qwen2": (mt.Qwen2ForCausalLM, tiny_qwen2_config, None, "40KB", None),
-    "llama": (mt.LlamaForCausalLM, lambda: hf.LlamaConfig(
-        vocab_size=96, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-        intermediate_size=48), None, None, ms.bfloat16),
-    "bert": (mt.BertModel, lambda: hf.BertConfig(
-        vocab_size=96, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=48),
-        ms.float16, None, None),
-    "gpt2": (mt.GPT2LMHeadModel, lambda: hf.GPT2Config(vocab_size=96, n_embd=32, n_layer=2, n_head=4),
-             None, "30KB", ms.float16),
-    "t5": (mt.T5ForConditionalGeneration, lambda: hf.T5Config(
-        vocab_size=96, d_model=32, d_kv=8, d_ff=48, num_layers=2, num_heads=4), ms.bfloat16, None, ms.float32),
+    "llama": (
+        mt.LlamaForCausalLM,
+        lambda: hf.LlamaConfig(
+            vocab_size=96,
+            hidden_size=32,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            intermediate_size=48,
+        ),
+        None,
+        None,
+        ms.bfloat16,
+    ),
+    "bert": (
+        mt.BertModel,
+        lambda: hf.BertConfig(
+            vocab_size=96, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=48
+        ),
+        ms.float16,
+        None,
+        None,
+    ),
+    "gpt2": (
+        mt.GPT2LMHeadModel,
+        lambda: hf.GPT2Config(vocab_size=96, n_embd=32, n_layer=2, n_head=4),
+        None,
+        "30KB",
+        ms.float16,
+    ),
+    "t5": (
+        mt.T5ForConditionalGeneration,
+        lambda: hf.T5Config(vocab_size=96, d_model=32, d_kv=8, d_ff=48, num_layers=2, num_heads=4),
+        ms.bfloat16,
+        None,
+        ms.float32,
+    ),
     "vae": (md.AutoencoderKL, tiny_vae, None, None, ms.float16),
     "unet": (md.UNet2DConditionModel, tiny_unet, ms.bfloat16, "12KB", None),
 }
@@ -270,7 +297,9 @@ def test_lazy_window_stays_in_its_thread(models, monkeypatch):
         go_on.set()
         loader.join(60)
     assert {name: [p.name for p in m.get_parameters() if p.has_init] for name, m in built.items()} == {
-        "dense": [], "bert": []}
+        "dense": [],
+        "bert": [],
+    }
     _assert_matches(reference, result["model"], "the lazy load")
 
 
@@ -301,8 +330,11 @@ def test_report_reads_its_build_under_the_construction_lock(models, monkeypatch,
     assert context.last_report() is report and report.fast_construction_from == 0
 
 
-@pytest.mark.parametrize("name, pause_at", [("qwen2", (glue_tf, "assign")), ("unet", (glue_df, "assign_in_final_dtype"))],
-                         ids=["transformers", "diffusers"])
+@pytest.mark.parametrize(
+    "name, pause_at",
+    [("qwen2", (glue_tf, "assign")), ("unet", (glue_df, "assign_in_final_dtype"))],
+    ids=["transformers", "diffusers"],
+)
 def test_disable_during_in_flight_load(models, monkeypatch, name, pause_at):
     """disable() from another thread while a load is between two shards: the
     load completes with the right model, and the next load is unpatched.
@@ -430,7 +462,8 @@ def test_fallback_user_state_dict(models, debug_log):
         config = hf.LlamaConfig.from_pretrained(path)
         reference = mt.LlamaForCausalLM.from_pretrained(None, config=config, state_dict=dict(state_dict))
     accelerated = _no_new_report(
-        lambda: mt.LlamaForCausalLM.from_pretrained(None, config=config, state_dict=dict(state_dict)))
+        lambda: mt.LlamaForCausalLM.from_pretrained(None, config=config, state_dict=dict(state_dict))
+    )
     assert_same_model(reference, accelerated)
     assert "a state_dict passed by the caller" in debug_log.text
 
@@ -440,8 +473,11 @@ def test_fallback_non_safetensors_file(models, debug_log, tmp_path, library):
     """A PyTorch .bin checkpoint: mindone's own load_state_dict decides (it refuses this one)."""
     import shutil
 
-    name, cls, weights = ("llama", mt.LlamaForCausalLM, "pytorch_model.bin") if library == "tf" else (
-        "vae", md.AutoencoderKL, "diffusion_pytorch_model.bin")
+    name, cls, weights = (
+        ("llama", mt.LlamaForCausalLM, "pytorch_model.bin")
+        if library == "tf"
+        else ("vae", md.AutoencoderKL, "diffusion_pytorch_model.bin")
+    )
     shutil.copy(models["root"] / name / "config.json", tmp_path / "config.json")
     (tmp_path / weights).write_bytes(b"not a checkpoint")
     load = lambda: cls.from_pretrained(str(tmp_path))  # noqa: E731

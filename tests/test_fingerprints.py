@@ -24,8 +24,10 @@ def checkpoints(tmp_path_factory):
     with ms_loadpatch.disabled(), cpu_kernel_fallbacks():
         mt.Qwen2ForCausalLM(tiny_qwen2_config()).save_pretrained(root / "qwen2")
         md.AutoencoderKL(**tiny_vae()).save_pretrained(root / "vae")
-    return {"transformers": (mt.Qwen2ForCausalLM, str(root / "qwen2")),
-            "diffusers": (md.AutoencoderKL, str(root / "vae"))}
+    return {
+        "transformers": (mt.Qwen2ForCausalLM, str(root / "qwen2")),
+        "diffusers": (md.AutoencoderKL, str(root / "vae")),
+    }
 
 
 @pytest.fixture
@@ -54,18 +56,21 @@ def _loaded(checkpoints, library):
 def test_the_installed_mindone_is_the_code_repeated(checkpoints, rechecked):
     for library in checkpoints:
         _loaded(checkpoints, library)  # imports every module the glue repeats code of
-    assert {name: fingerprints.changed(name) for name in fingerprints.REPEATED} == dict.fromkeys(
-        fingerprints.REPEATED)
+    assert {name: fingerprints.changed(name) for name in fingerprints.REPEATED} == dict.fromkeys(fingerprints.REPEATED)
     (row,) = fingerprints.rows()
     assert row["state"] == "active" and "checked when" not in row["reason"], row
     assert any(r["name"] == "repeated-mindone-code" for r in ms_loadpatch.status()["techniques"])
 
 
-@pytest.mark.parametrize("library,name", [("transformers", "transformers.convert_state_dict"),
-                                          ("transformers", "transformers.initialize_weights"),
-                                          ("diffusers", "diffusers.load_shard_file")])
-def test_a_changed_function_sends_its_library_down_mindones_path(checkpoints, rechecked, monkeypatch, library,
-                                                                  name):
+@pytest.mark.parametrize(
+    "library,name",
+    [
+        ("transformers", "transformers.convert_state_dict"),
+        ("transformers", "transformers.initialize_weights"),
+        ("diffusers", "diffusers.load_shard_file"),
+    ],
+)
+def test_a_changed_function_sends_its_library_down_mindones_path(checkpoints, rechecked, monkeypatch, library, name):
     other = "diffusers" if library == "transformers" else "transformers"
     _pretend_changed(monkeypatch, name)
     model, accelerated = _loaded(checkpoints, library)
@@ -95,8 +100,9 @@ def test_a_changed_cast_method_runs_mindones_own(checkpoints, rechecked, monkeyp
 def test_a_function_that_cannot_be_checked_is_taken_for_changed(rechecked, monkeypatch, checkpoints):
     _loaded(checkpoints, "transformers")
     library, module, _, expected = fingerprints.REPEATED["transformers.tie_weights"]
-    monkeypatch.setitem(fingerprints.REPEATED, "transformers.tie_weights",
-                        (library, module, "PreTrainedModel.no_such_method", expected))
+    monkeypatch.setitem(
+        fingerprints.REPEATED, "transformers.tie_weights", (library, module, "PreTrainedModel.no_such_method", expected)
+    )
     fingerprints.forget()
     reason = fingerprints.changed("transformers.tie_weights")
     assert reason is not None and "cannot be checked" in reason and "no_such_method" in reason

@@ -20,11 +20,14 @@ class Owner:
         return mode
 
 
-@pytest.mark.parametrize("args, kwargs", [
-    (("m", "sd", "f"), {}),
-    (("m",), {"state_dict": "sd", "files": "f"}),
-    ((), {"model": "m", "state_dict": "sd", "files": "f", "dtype": "bf16"}),
-])
+@pytest.mark.parametrize(
+    "args, kwargs",
+    [
+        (("m", "sd", "f"), {}),
+        (("m",), {"state_dict": "sd", "files": "f"}),
+        ((), {"model": "m", "state_dict": "sd", "files": "f", "dtype": "bf16"}),
+    ],
+)
 def test_argument_by_position_or_name(args, kwargs):
     assert argument(loader, args, kwargs, "model") == "m"
     assert argument(loader, args, kwargs, "state_dict") == "sd"

@@ -47,6 +47,8 @@ def ctrl_c_raises():
         yield
     finally:
         signal.signal(signal.SIGINT, previous)
+
+
 LIBRARIES = ["tf", "df"]
 LAYOUTS = ["single", "sharded"]
 
@@ -157,9 +159,15 @@ def _without_one_tensor(checkpoints, tmp_path, name):
 
 
 # a diffusers load leaves what its checkpoint lacks lazy, as mindone does: no init-missing step
-@pytest.mark.parametrize("library,point", [(library, point) for library in LIBRARIES
-                                           for point in ("construction", "read", "assign", "init-missing")
-                                           if (library, point) != ("df", "init-missing")])
+@pytest.mark.parametrize(
+    "library,point",
+    [
+        (library, point)
+        for library in LIBRARIES
+        for point in ("construction", "read", "assign", "init-missing")
+        if (library, point) != ("df", "init-missing")
+    ],
+)
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_keyboard_interrupt(checkpoints, tmp_path, monkeypatch, library, layout, point):
     name = f"{library}-{layout}"
@@ -178,8 +186,10 @@ def test_keyboard_interrupt(checkpoints, tmp_path, monkeypatch, library, layout,
             pytest.fail(f"the load returned a {type(model).__name__} although interrupted ({interrupt.sent_at})")
     assert interrupt.sent_at is not None, f"the load never reached {point}"
     latency = caught_at - interrupt.sent_at
-    print(f"\ninterrupt at {point} ({library}-{layout}, sent from {interrupt.thread}): "
-          f"reached the caller after {latency * 1000:.1f} ms")
+    print(
+        f"\ninterrupt at {point} ({library}-{layout}, sent from {interrupt.thread}): "
+        f"reached the caller after {latency * 1000:.1f} ms"
+    )
     assert not _reader_threads(), "reader threads left running"
     assert_state_restored(before)
     _next_load_is_identical(library, directory)
@@ -250,8 +260,10 @@ def test_interrupt_does_not_wait_for_a_slow_read(checkpoints, monkeypatch):
     with pytest.raises(KeyboardInterrupt):
         load("tf", checkpoints / "tf-sharded")
     caught_at = time.perf_counter()
-    print(f"\ninterrupt during a {slow:.0f} s read: caller interrupted after "
-          f"{(caught_at - interrupt.sent_at) * 1000:.1f} ms")
+    print(
+        f"\ninterrupt during a {slow:.0f} s read: caller interrupted after "
+        f"{(caught_at - interrupt.sent_at) * 1000:.1f} ms"
+    )
     assert not read_finished or read_finished[0] > caught_at, "the interrupt waited for the read to end"
     monkeypatch.undo()
     deadline = time.monotonic() + slow + 5
@@ -299,8 +311,13 @@ def test_sigterm_mid_load_exits_like_unpatched(checkpoints, mode):
     of the cold plan's chunk threads): the process ends by the signal
     (default action), not hanging on its threads, no core dump."""
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([HERE, os.environ.get("PYTHONPATH", "")]))
-    proc = subprocess.Popen([sys.executable, "-c", SIGTERM_CHILD, str(checkpoints / "tf-sharded"), mode],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", SIGTERM_CHILD, str(checkpoints / "tf-sharded"), mode],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
     try:
         for line in proc.stdout:
             if line.startswith("READING"):
@@ -444,11 +461,16 @@ def test_file_changing_while_read(checkpoints, tmp_path, monkeypatch, library, c
 
 
 def _limits_child(kind, tmp_path, **env):
-    proc = subprocess.run([sys.executable, os.path.join(HERE, "_limits_child.py"), kind, str(tmp_path)],
-                          capture_output=True, text=True, timeout=600, env=dict(os.environ, **env))
+    proc = subprocess.run(
+        [sys.executable, os.path.join(HERE, "_limits_child.py"), kind, str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=dict(os.environ, **env),
+    )
     lines = [line for line in proc.stdout.splitlines() if line.startswith("REPORT ")]
     assert proc.returncode == 0 and lines, f"exit {proc.returncode}\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}"
-    return json.loads(lines[-1][len("REPORT "):])
+    return json.loads(lines[-1][len("REPORT ") :])
 
 
 def _assert_clean_after(report):

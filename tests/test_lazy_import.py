@@ -105,8 +105,11 @@ def test_dir_right_after_a_load_is_the_eager_one(tiny_qwen2):
     eager = _probe(False, "load", "dir", model=tiny_qwen2)
     lazy = _probe(True, "load", "dir", model=tiny_qwen2)
     assert lazy["lazy_import"]["packages"]["mindone.transformers"]["state"] == "lazy"
-    assert lazy["load"]["class"] == eager["load"]["class"] == ["mindone.transformers.models.qwen2.modeling_qwen2",
-                                                               "Qwen2ForCausalLM"]
+    assert (
+        lazy["load"]["class"]
+        == eager["load"]["class"]
+        == ["mindone.transformers.models.qwen2.modeling_qwen2", "Qwen2ForCausalLM"]
+    )
     assert lazy["load"]["parameters"] == eager["load"]["parameters"] > 0
     assert not lazy["load"]["scanned"]  # a load does not call dir(): it does not pay for the prediction
     (eager_dir,), (lazy_dir,) = eager["dir"], lazy["dir"]
@@ -170,7 +173,8 @@ def test_lazy_import_off_by_environment():
         import json, sys, ms_loadpatch, mindone.transformers as mt
         print("REPORT", json.dumps({"type": type(mt).__name__, "status": ms_loadpatch.status()["lazy_import"],
                                     "finder": any(type(f).__name__ == "_Finder" for f in sys.meta_path)}))
-        """)
+        """
+    )
     report = report_of(run_python(code, env_extra={"MS_LOADPATCH_LAZY_IMPORT": "0"}))
     assert report["type"] == "module" and not report["finder"]
     assert report["status"]["on"] is False and report["status"]["reason"] == "MS_LOADPATCH_LAZY_IMPORT=0"
@@ -178,9 +182,11 @@ def test_lazy_import_off_by_environment():
 
 
 def test_import_ms_loadpatch_imports_neither_mindspore_nor_mindone():
-    code = ("import sys, json, ms_loadpatch; print('REPORT', json.dumps({'modules': sorted(m for m in sys.modules "
-            "if m.split('.')[0] in ('mindspore', 'mindone')), 'first': type(sys.meta_path[0]).__name__, "
-            "'status': ms_loadpatch.status()['lazy_import']}))")
+    code = (
+        "import sys, json, ms_loadpatch; print('REPORT', json.dumps({'modules': sorted(m for m in sys.modules "
+        "if m.split('.')[0] in ('mindspore', 'mindone')), 'first': type(sys.meta_path[0]).__name__, "
+        "'status': ms_loadpatch.status()['lazy_import']}))"
+    )
     report = report_of(run_python(code))
     assert report["modules"] == []
     assert report["first"] == "_Finder"
@@ -208,11 +214,18 @@ def test_pickle_importlib_absolute_imports_and_disable():
                                 any(type(f).__name__ == "_Finder" for f in sys.meta_path),
                                 ms_loadpatch.status()["lazy_import"]["on"]]
         print("REPORT", json.dumps(out))
-        """)
+        """
+    )
     report = report_of(run_python(code))
-    assert report == {"type": "LazyPackage", "absolute": True, "submodule": True, "pickle": True,
-                      "same_class": True, "hasattr": [True, False, True],
-                      "after_disable": ["LazyPackage", "BertModel", False, False]}
+    assert report == {
+        "type": "LazyPackage",
+        "absolute": True,
+        "submodule": True,
+        "pickle": True,
+        "same_class": True,
+        "hasattr": [True, False, True],
+        "after_disable": ["LazyPackage", "BertModel", False, False],
+    }
 
 
 def test_unparsable_init_falls_back_to_eager_and_status_says_why():
@@ -232,7 +245,8 @@ def test_unparsable_init_falls_back_to_eager_and_status_says_why():
             cli.main(["status"])
         print("REPORT", json.dumps({"type": type(mt).__name__, "model": mt.Qwen2ForCausalLM.__name__,
                                     "status": ms_loadpatch.status()["lazy_import"], "text": out.getvalue()}))
-        """)
+        """
+    )
     report = report_of(run_python(code))
     assert report["type"] == "module" and report["model"] == "Qwen2ForCausalLM"
     row = report["status"]["packages"]["mindone.transformers"]
@@ -268,7 +282,8 @@ def test_from_pretrained_under_lazy_import_is_bit_identical_to_unpatched_eager(t
             differences = testing.compare(pickle.load(open(snap, "rb")), state)
         print("REPORT", json.dumps({"type": type(mt).__name__, "accelerated": last_report() is not None,
                                     "differences": differences[:20], "tensors": len(state["tensors"])}))
-        """)
+        """
+    )
     script = tmp_path / "child.py"
     script.write_text(child)
     directory, snap = str(tmp_path / "qwen2"), str(tmp_path / "eager.pkl")
@@ -310,7 +325,7 @@ _FILES = {
     "unused.py": "Z = 1\n",
     "sub/__init__.py": "from .impl import *\n",
     "sub/impl.py": "__all__ = [\n    'S1',\n    'S2',\n]  # a literal over lines\n"
-                   "class S1:\n    pass\nclass S2:\n    pass\nclass Hidden:\n    pass\n",
+    "class S1:\n    pass\nclass S2:\n    pass\nclass Hidden:\n    pass\n",
 }
 
 
@@ -325,8 +340,9 @@ def _write_package(root, name, files):
 def _import_lazy(root, name):
     directory = os.path.join(root, name)
     init = os.path.join(directory, "__init__.py")
-    spec = importlib.util.spec_from_file_location(name, init, submodule_search_locations=[directory],
-                                                  loader=lazy_import._LazyInitLoader(name, init))
+    spec = importlib.util.spec_from_file_location(
+        name, init, submodule_search_locations=[directory], loader=lazy_import._LazyInitLoader(name, init)
+    )
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module
     spec.loader.exec_module(module)
@@ -451,9 +467,25 @@ _SIDE_EFFECT_FILES = {
     "starpkg/mod.py": "__all__ = ['M']\nM = 1\n",
     "starpkg/unused.py": "",
     "late.py": "L = 1\nfrom .starpkg import unused  # after the star import: not exported by it\n",
-    **{f"{name}.py": "" for name in (
-        "helper", "typed_only", "in_function", "in_coroutine", "in_try", "in_except", "in_false", "in_elif",
-        "in_else", "in_class", "in_method", "in_main", "in_docstring", "never")},
+    **{
+        f"{name}.py": ""
+        for name in (
+            "helper",
+            "typed_only",
+            "in_function",
+            "in_coroutine",
+            "in_try",
+            "in_except",
+            "in_false",
+            "in_elif",
+            "in_else",
+            "in_class",
+            "in_method",
+            "in_main",
+            "in_docstring",
+            "never",
+        )
+    },
 }
 
 
@@ -470,21 +502,37 @@ def test_dir_before_access_lists_what_the_eager_import_binds_as_a_side_effect(sy
     assert not eager_import_scan._eager_bound_errors
     assert before == dir(eager), (sorted(set(dir(eager)) - set(before)), sorted(set(before) - set(dir(eager))))
     assert {"helper", "deep", "in_try", "in_else", "in_class", "mod"} <= set(before)
-    assert not {"typed_only", "in_function", "in_coroutine", "in_except", "in_false", "in_elif", "in_method",
-                "in_main", "in_docstring", "never", "unused"} & set(before)
+    assert not {
+        "typed_only",
+        "in_function",
+        "in_coroutine",
+        "in_except",
+        "in_false",
+        "in_elif",
+        "in_method",
+        "in_main",
+        "in_docstring",
+        "never",
+        "unused",
+    } & set(before)
     assert "sidepkg.a" not in sys.modules and "sidepkg.helper" not in sys.modules  # predicted, not imported
     assert lazy.helper is sys.modules["sidepkg.helper"] and lazy.mod is sys.modules["sidepkg.starpkg.mod"]
     assert dir(lazy) == dir(eager) and _view(lazy) == _view(eager)
 
 
-@pytest.mark.parametrize("files,reason", [
-    ({"__init__.py": "from __future__ import annotations\nfrom .a import A\n", "a.py": "A = 1\n"}, "__future__"),
-    ({"__init__.py": "from . import missing\n"}, "no such submodule"),
-    ({"__init__.py": "from .m import *\n", "m.py": "__all__ = ['a'] + ['b']\na = b = 1\n"}, "literal"),
-    ({"__init__.py": "from .gone import X\n"}, "not found"),
-    ({"__init__.py": "from .a import thing as b\nfrom . import b as bb\n", "a.py": "thing = 1\n", "b.py": ""},
-     "names both a submodule"),
-])
+@pytest.mark.parametrize(
+    "files,reason",
+    [
+        ({"__init__.py": "from __future__ import annotations\nfrom .a import A\n", "a.py": "A = 1\n"}, "__future__"),
+        ({"__init__.py": "from . import missing\n"}, "no such submodule"),
+        ({"__init__.py": "from .m import *\n", "m.py": "__all__ = ['a'] + ['b']\na = b = 1\n"}, "literal"),
+        ({"__init__.py": "from .gone import X\n"}, "not found"),
+        (
+            {"__init__.py": "from .a import thing as b\nfrom . import b as bb\n", "a.py": "thing = 1\n", "b.py": ""},
+            "names both a submodule",
+        ),
+    ],
+)
 def test_what_the_parser_does_not_understand_is_imported_eagerly(synthetic, files, reason):
     name = f"brokenpkg_{abs(hash(reason)) % 10000}"
     root = synthetic(name, files)
@@ -543,12 +591,17 @@ def _registry_writers(package_dir):
                 if isinstance(node, ast.Expr) and isinstance(node.value, ast.Call):
                     hits.append(node.value.func)
                 elif isinstance(node, (ast.Assign, ast.AugAssign)):
-                    hits.extend(t for t in getattr(node, "targets", [getattr(node, "target", None)])
-                                if isinstance(t, (ast.Attribute, ast.Subscript)))
+                    hits.extend(
+                        t
+                        for t in getattr(node, "targets", [getattr(node, "target", None)])
+                        if isinstance(t, (ast.Attribute, ast.Subscript))
+                    )
                 elif isinstance(node, (ast.FunctionDef, ast.ClassDef)):
-                    hits.extend(d.func for d in node.decorator_list
-                                if isinstance(d, ast.Call) and isinstance(d.func, ast.Attribute)
-                                and d.func.attr == "register")
+                    hits.extend(
+                        d.func
+                        for d in node.decorator_list
+                        if isinstance(d, ast.Call) and isinstance(d.func, ast.Attribute) and d.func.attr == "register"
+                    )
                 for hit in hits:
                     name = root_name(hit)
                     if name in imported and name not in benign_calls:

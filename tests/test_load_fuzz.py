@@ -22,8 +22,14 @@ sys.path.insert(0, os.path.join(REPO, "benchmarks"))
 def test_fuzz_slice():
     env = dict(os.environ)
     env.pop("MS_LOADPATCH", None)
-    proc = subprocess.run([sys.executable, "benchmarks/fuzz_loads.py", "--cases", "60", "--seed", "0"],
-                          cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
+    proc = subprocess.run(
+        [sys.executable, "benchmarks/fuzz_loads.py", "--cases", "60", "--seed", "0"],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     detail = f"exit {proc.returncode}\nstdout:\n{proc.stdout[-6000:]}\nstderr:\n{proc.stderr[-3000:]}"
     lines = [line for line in proc.stdout.splitlines() if line.startswith("SUMMARY ")]
     assert lines, detail
@@ -100,8 +106,9 @@ def test_unknown_metadata_format_error_names_the_file(tmp_path):
     with ms_loadpatch.disabled():
         mt.Qwen2ForCausalLM(tiny_qwen2_config()).save_pretrained(tmp_path)
     path = tmp_path / "model.safetensors"
-    save_file({k: np.ascontiguousarray(v) for k, v in load_file(str(path)).items()}, str(path),
-              metadata={"format": "xx"})
+    save_file(
+        {k: np.ascontiguousarray(v) for k, v in load_file(str(path)).items()}, str(path), metadata={"format": "xx"}
+    )
     with ms_loadpatch.disabled(), pytest.raises(ValueError) as unpatched:
         mt.Qwen2ForCausalLM.from_pretrained(str(tmp_path))
     with pytest.raises(ValueError) as patched:
@@ -156,8 +163,17 @@ def test_mutation_chains_never_break_the_harness():
     blob = save({"a": np.zeros(4, np.float32), "b": np.ones((2, 3), np.float16)}, metadata={"format": "pt"})
 
     @settings(max_examples=300, derandomize=True, database=None, deadline=None)
-    @given(st.lists(st.tuples(st.sampled_from(fuzz_loads.HEADER_KINDS + fuzz_loads.BYTE_KINDS),
-                              st.integers(0, 1 << 20), st.integers(0, 1 << 16)), min_size=1, max_size=5))
+    @given(
+        st.lists(
+            st.tuples(
+                st.sampled_from(fuzz_loads.HEADER_KINDS + fuzz_loads.BYTE_KINDS),
+                st.integers(0, 1 << 20),
+                st.integers(0, 1 << 16),
+            ),
+            min_size=1,
+            max_size=5,
+        )
+    )
     @example([("length-field", 0, 1), ("length-field", 16, 0)])  # a length of 2**64 - 1, then one past it
     def chain(mutations):
         mutated = blob

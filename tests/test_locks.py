@@ -68,8 +68,9 @@ def test_no_lock_order_inversion(case):
     env = {k: v for k, v in os.environ.items() if k != "MS_LOADPATCH"}
     env.update(GLOG_v="3")
     try:
-        proc = subprocess.run([sys.executable, "-c", _PRELUDE + CASES[case]], env=env, capture_output=True, text=True,
-                              timeout=400)
+        proc = subprocess.run(
+            [sys.executable, "-c", _PRELUDE + CASES[case]], env=env, capture_output=True, text=True, timeout=400
+        )
     except subprocess.TimeoutExpired:
         pytest.fail(f"{case}: the two threads deadlocked")
     assert proc.returncode == 0 and proc.stdout.strip().endswith("DONE"), (proc.stdout[-2000:], proc.stderr[-3000:])
@@ -163,11 +164,12 @@ def test_nested_locks_follow_the_lock_order_table(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "MS_LOADPATCH"}
     env.update(GLOG_v="3")
     code = _RECORDING.replace("mindspore_dtype_placeholder", "__import__('mindspore').float16")
-    proc = subprocess.run([sys.executable, "-c", code, str(tmp_path), here], env=env, capture_output=True, text=True,
-                          timeout=600)
+    proc = subprocess.run(
+        [sys.executable, "-c", code, str(tmp_path), here], env=env, capture_output=True, text=True, timeout=600
+    )
     lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
     assert proc.returncode == 0 and lines, (proc.stdout[-2000:], proc.stderr[-3000:])
-    result = json.loads(lines[-1][len("RESULT "):])
+    result = json.loads(lines[-1][len("RESULT ") :])
     from ms_loadpatch.locks import LOCK_ORDER
 
     assert len(result["names"]) == len(LOCK_ORDER)

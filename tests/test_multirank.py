@@ -52,11 +52,30 @@ def run_job(directory, worker_args, env_extra=None, launcher=()):
     env = {k: v for k, v in os.environ.items() if k not in ("MS_LOADPATCH", "MS_LOADPATCH_REPORT")}
     env["PATH"] = os.path.dirname(sys.executable) + os.pathsep + env.get("PATH", "")
     env.update(env_extra or {})
-    command = [*launcher, *_msrun(), f"--worker_num={RANKS}", f"--local_worker_num={RANKS}",
-               "--master_addr=127.0.0.1", f"--master_port={_free_port()}", "--join=True",
-               "--cluster_time_out=120", f"--log_dir={logs}", WORKER, "--out", str(out), *worker_args]
-    proc = subprocess.Popen(command, env=env, cwd=directory, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, start_new_session=True)
+    command = [
+        *launcher,
+        *_msrun(),
+        f"--worker_num={RANKS}",
+        f"--local_worker_num={RANKS}",
+        "--master_addr=127.0.0.1",
+        f"--master_port={_free_port()}",
+        "--join=True",
+        "--cluster_time_out=120",
+        f"--log_dir={logs}",
+        WORKER,
+        "--out",
+        str(out),
+        *worker_args,
+    ]
+    proc = subprocess.Popen(
+        command,
+        env=env,
+        cwd=directory,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
     try:
         output, _ = proc.communicate(timeout=JOB_SECONDS)
     except subprocess.TimeoutExpired:
@@ -90,7 +109,8 @@ def _worker_logs(directory) -> str:
 def _assert_ok(directory, proc, results):
     assert proc.returncode == 0 and len(results) == RANKS, (
         f"msrun exit {proc.returncode}, reports from ranks {sorted(results)}\n{proc.output[-3000:]}\n"
-        + _worker_logs(directory))
+        + _worker_logs(directory)
+    )
 
 
 def _arrays(path):
@@ -100,8 +120,12 @@ def _arrays(path):
 
 def _assert_same_arrays(expected, actual, what):
     assert sorted(expected) == sorted(actual), f"{what}: parameter names differ"
-    differing = [n for n in expected if expected[n].shape != actual[n].shape
-                 or not np.array_equal(expected[n].view(np.uint32), actual[n].view(np.uint32))]
+    differing = [
+        n
+        for n in expected
+        if expected[n].shape != actual[n].shape
+        or not np.array_equal(expected[n].view(np.uint32), actual[n].view(np.uint32))
+    ]
     assert not differing, f"{what}: {len(differing)} parameters differ, e.g. {differing[:3]}"
 
 
@@ -153,8 +177,11 @@ def _assert_accelerated_in_every_rank(directory, results, reference_dir):
         assert report["rank"] == rank and report["local_ranks"] == RANKS, report
         assert report["read_threads"] == read_threads(_expected_share()), report
         assert result["threads_after_load"] == [], result["threads_after_load"]
-        _assert_same_arrays(_arrays(reference_dir / "out" / f"rank{rank}-loaded.npz"),
-                            _arrays(directory / "out" / f"rank{rank}-loaded.npz"), f"rank {rank} loaded")
+        _assert_same_arrays(
+            _arrays(reference_dir / "out" / f"rank{rank}-loaded.npz"),
+            _arrays(directory / "out" / f"rank{rank}-loaded.npz"),
+            f"rank {rank} loaded",
+        )
 
 
 def test_import_in_the_script_accelerates_every_rank(zero_jobs):
@@ -169,8 +196,11 @@ def test_import_in_the_script_accelerates_every_rank(zero_jobs):
 def test_activation_from_outside_reaches_every_rank(activation, tiny_checkpoint, zero_jobs, tmp_path):
     if activation == "env" and not installed_pth():
         pytest.skip("MS_LOADPATCH=1 alone needs the .pth hook a wheel install places (CI installs one)")
-    env, launcher = ({"MS_LOADPATCH": "1"}, ()) if activation == "env" else \
-        ({}, (sys.executable, "-m", "ms_loadpatch", "run", "--"))
+    env, launcher = (
+        ({"MS_LOADPATCH": "1"}, ())
+        if activation == "env"
+        else ({}, (sys.executable, "-m", "ms_loadpatch", "run", "--"))
+    )
     proc, results, _ = run_job(tmp_path, ["--model", str(tiny_checkpoint)], env, launcher)
     _assert_ok(tmp_path, proc, results)
     _assert_accelerated_in_every_rank(tmp_path, results, zero_jobs["unpatched"][0])
@@ -189,9 +219,11 @@ def test_zero_training_identical_to_unpatched(zero_jobs, stage):
             assert stage != "2", f"ZeRO stage 2 did not run on rank {rank}: {expected['error']}"
             continue
         assert len(expected["losses"]) >= 2
-        _assert_same_arrays(_arrays(reference_dir / "out" / f"rank{rank}-zero{stage}.npz"),
-                            _arrays(directory / "out" / f"rank{rank}-zero{stage}.npz"),
-                            f"rank {rank} after ZeRO-{stage} steps")
+        _assert_same_arrays(
+            _arrays(reference_dir / "out" / f"rank{rank}-zero{stage}.npz"),
+            _arrays(directory / "out" / f"rank{rank}-zero{stage}.npz"),
+            f"rank {rank} after ZeRO-{stage} steps",
+        )
 
 
 def test_one_rank_with_a_corrupt_shard(tiny_checkpoint, tmp_path):
@@ -222,8 +254,15 @@ def test_example_train_distributed(tmp_path):
     example = os.path.join(os.path.dirname(HERE), "examples", "train_distributed.sh")
     env = {k: v for k, v in os.environ.items() if k not in ("MS_LOADPATCH", "MS_LOADPATCH_REPORT")}
     env.update(PYTHON=sys.executable, MASTER_PORT=str(_free_port()), LOG_DIR=str(tmp_path / "logs"))
-    proc = subprocess.run(["bash", example, "--steps", "2"], env=env, cwd=tmp_path, capture_output=True, text=True,
-                          timeout=JOB_SECONDS, start_new_session=True)
+    proc = subprocess.run(
+        ["bash", example, "--steps", "2"],
+        env=env,
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=JOB_SECONDS,
+        start_new_session=True,
+    )
     logs = "".join(p.read_text(errors="replace") for p in sorted((tmp_path / "logs").glob("worker_*.log")))
     assert proc.returncode == 0, f"{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}\n{logs[-4000:]}"
     for rank in range(RANKS):

@@ -41,8 +41,9 @@ def test_host_libraries_are_not_dependencies():
 
 @pytest.mark.parametrize("extra", ["mindone", "test"])
 def test_extras_install_the_supported_ranges(extra):
-    declared = {Requirement(line).name: Requirement(line).specifier
-                for line in _pyproject()["optional-dependencies"][extra]}
+    declared = {
+        Requirement(line).name: Requirement(line).specifier for line in _pyproject()["optional-dependencies"][extra]
+    }
     for distribution, specifier in versions.SUPPORTED.items():
         assert declared[distribution] == specifier, (extra, distribution)
 
@@ -65,7 +66,8 @@ def test_every_dependency_declares_a_floor():
         assert name in names and why, name
         declared = next(req for req in requirements if req.name == name)
         assert declared.specifier.contains(version) and not any(
-            spec.operator == ">=" and spec.version == version for spec in declared.specifier), (name, version)
+            spec.operator == ">=" and spec.version == version for spec in declared.specifier
+        ), (name, version)
 
 
 def test_requires_python_is_the_supported_and_tested_range():
@@ -90,15 +92,17 @@ def _run(args, timeout=600, **kwargs):
 
 
 def _versions_seen_by(python) -> dict:
-    code = ("import importlib.metadata as m, json\n"
-            "out = {}\n"
-            "for d in ('mindspore', 'mindone'):\n"
-            "    try:\n"
-            "        dist = m.distribution(d)\n"
-            "        out[d] = [dist.version, str(dist.locate_file(''))]\n"
-            "    except m.PackageNotFoundError:\n"
-            "        out[d] = None\n"
-            "print(json.dumps(out))")
+    code = (
+        "import importlib.metadata as m, json\n"
+        "out = {}\n"
+        "for d in ('mindspore', 'mindone'):\n"
+        "    try:\n"
+        "        dist = m.distribution(d)\n"
+        "        out[d] = [dist.version, str(dist.locate_file(''))]\n"
+        "    except m.PackageNotFoundError:\n"
+        "        out[d] = None\n"
+        "print(json.dumps(out))"
+    )
     return json.loads(_run([python, "-c", code]).stdout)
 
 
@@ -145,8 +149,10 @@ def test_pip_install_keeps_the_installed_mindspore(tmp_path):
 
     proc = _run([python, "-m", "pip", "install", "--progress-bar", "off", str(wheel)])
     after = _versions_seen_by(python)
-    print(f"mindspore before: {before['mindspore'][0]}, after: {after['mindspore'][0]}; "
-          f"mindone before: {before['mindone'][0]}, after: {after['mindone'][0]}")
+    print(
+        f"mindspore before: {before['mindspore'][0]}, after: {after['mindspore'][0]}; "
+        f"mindone before: {before['mindone'][0]}, after: {after['mindone'][0]}"
+    )
     assert after == before, f"pip changed the host's framework:\n{proc.stdout[-3000:]}"
     newly_installed = {dist.metadata["Name"].lower() for dist in importlib.metadata.distributions(path=[own_site])}
     assert "ms-loadpatch" in newly_installed

@@ -109,7 +109,9 @@ def test_report_gives_each_file_read_and_whether_it_was_cold(checkpoints, monkey
     assert max(r.seconds for r in cold.files_read) <= cold.read_seconds() <= spans[-1][1] - spans[0][0] + 1e-9
     assert f"0 of {len(files)} cold" not in cold.summary() and f"{len(files)} of {len(files)} cold" in cold.summary()
     as_dict = cold.as_dict()
-    assert as_dict["bytes_read"] == cold.bytes_read and [r["cold"] for r in as_dict["files_read"]] == [True] * len(files)
+    assert as_dict["bytes_read"] == cold.bytes_read and [r["cold"] for r in as_dict["files_read"]] == [True] * len(
+        files
+    )
 
     cls.from_pretrained(directory)
     warm = context.last_report()
@@ -201,8 +203,9 @@ def _as_rank(code, *args, **env):
 
     child_env = {k: v for k, v in os.environ.items() if k not in ("MS_WORKER_NUM", "RANK_SIZE", "MS_ROLE")}
     child_env.update({page_cache.ENV_VAR: "drop", **env})
-    proc = subprocess.run([sys.executable, "-c", code, *args], env=child_env, capture_output=True, text=True,
-                          timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-c", code, *args], env=child_env, capture_output=True, text=True, timeout=300
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
 
 

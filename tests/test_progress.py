@@ -91,8 +91,9 @@ def test_a_load_shows_its_read_on_a_terminal_only(checkpoint, monkeypatch, setti
     if setting != "terminal":
         assert ours == []
     else:
-        size = sum(os.path.getsize(os.path.join(checkpoint, n)) for n in os.listdir(checkpoint)
-                   if n.endswith(".safetensors"))
+        size = sum(
+            os.path.getsize(os.path.join(checkpoint, n)) for n in os.listdir(checkpoint) if n.endswith(".safetensors")
+        )
         assert ours and ours[-1].startswith(f"ms_loadpatch: read {size / 1e6:.2f} of {size / 1e6:.2f} MB")
         assert ours[-1].endswith("\n")
     assert not any(t.name == "ms_loadpatch-progress" and t.is_alive() for t in threading.enumerate())

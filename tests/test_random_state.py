@@ -21,18 +21,33 @@ import pytest
 
 CHILD = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_random_state_child.py")
 # the version matrix runs the probes, what differs between mindspore versions (2 processes a version)
-CASES = ["diffusers-unet", "diffusers-vae", "diffusers-unet3d", "diffusers-unet3d-missing", "diffusers-controlnet",
-         "diffusers-single-file", "transformers-from-config", pytest.param("probes", marks=pytest.mark.matrix),
-         "transformers-qwen2", "transformers-qwen2-bf16", pytest.param("transformers-qwen2-missing", marks=pytest.mark.matrix),
-         "transformers-mixtral", "transformers-qwen3-moe", "transformers-qwen3-moe-missing", "transformers-gemma2",
-         "transformers-nllb-moe", "transformers-clip-text"]
+CASES = [
+    "diffusers-unet",
+    "diffusers-vae",
+    "diffusers-unet3d",
+    "diffusers-unet3d-missing",
+    "diffusers-controlnet",
+    "diffusers-single-file",
+    "transformers-from-config",
+    pytest.param("probes", marks=pytest.mark.matrix),
+    "transformers-qwen2",
+    "transformers-qwen2-bf16",
+    pytest.param("transformers-qwen2-missing", marks=pytest.mark.matrix),
+    "transformers-mixtral",
+    "transformers-qwen3-moe",
+    "transformers-qwen3-moe-missing",
+    "transformers-gemma2",
+    "transformers-nllb-moe",
+    "transformers-clip-text",
+]
 
 
 def run_python(args, env_extra):
     env = {k: v for k, v in os.environ.items() if k != "MS_LOADPATCH"}
     env.update(env_extra)
-    return subprocess.run([sys.executable, *args], env=env, capture_output=True, text=True, timeout=600,
-                          cwd=os.path.dirname(CHILD))
+    return subprocess.run(
+        [sys.executable, *args], env=env, capture_output=True, text=True, timeout=600, cwd=os.path.dirname(CHILD)
+    )
 
 
 @pytest.fixture(scope="module")
@@ -109,7 +124,7 @@ def _draws(case, directory, plugin: bool):
     proc = run_python([CHILD, case, directory], env_extra=env)
     for line in proc.stdout.splitlines():
         if line.startswith("DRAWS "):
-            result = json.loads(line[len("DRAWS "):])
+            result = json.loads(line[len("DRAWS ") :])
             assert result["enabled"] is plugin
             return result
     raise AssertionError(f"no DRAWS line; exit {proc.returncode}\n{proc.stderr[-4000:]}")

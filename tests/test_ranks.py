@@ -11,8 +11,18 @@ from ms_loadpatch import activation
 from ms_loadpatch.strategy import ranks
 from ms_loadpatch.strategy.threaded_read import background_read_threads, read_threads
 
-LAUNCHER_VARS = ("MS_LOADPATCH_LOCAL_RANKS", "MS_ROLE", "MS_WORKER_NUM", "LOCAL_WORLD_SIZE",
-                 "OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS", "RANK_SIZE", "RANK_ID", "OMPI_COMM_WORLD_RANK", "RANK")
+LAUNCHER_VARS = (
+    "MS_LOADPATCH_LOCAL_RANKS",
+    "MS_ROLE",
+    "MS_WORKER_NUM",
+    "LOCAL_WORLD_SIZE",
+    "OMPI_COMM_WORLD_LOCAL_SIZE",
+    "MPI_LOCALNRANKS",
+    "RANK_SIZE",
+    "RANK_ID",
+    "OMPI_COMM_WORLD_RANK",
+    "RANK",
+)
 
 
 @pytest.fixture
@@ -30,14 +40,21 @@ def test_alone_on_the_node(clean_env):
     assert read_threads() == 8 and background_read_threads() == 7
 
 
-@pytest.mark.parametrize("env, local, source", [
-    ({"MS_LOADPATCH_LOCAL_RANKS": "4", "MS_ROLE": "MS_WORKER", "MS_WORKER_NUM": "16"}, 4, "MS_LOADPATCH_LOCAL_RANKS"),
-    ({"MS_ROLE": "MS_WORKER", "MS_WORKER_NUM": "2"}, 2, "MS_WORKER_NUM"),
-    ({"LOCAL_WORLD_SIZE": "4", "RANK_SIZE": "16"}, 4, "LOCAL_WORLD_SIZE"),
-    ({"OMPI_COMM_WORLD_LOCAL_SIZE": "3"}, 3, "OMPI_COMM_WORLD_LOCAL_SIZE"),
-    ({"RANK_SIZE": "8"}, 8, "RANK_SIZE"),
-    ({"MS_WORKER_NUM": "4"}, 1, "not in a distributed job"),  # the scheduler's env without MS_ROLE=MS_WORKER
-])
+@pytest.mark.parametrize(
+    "env, local, source",
+    [
+        (
+            {"MS_LOADPATCH_LOCAL_RANKS": "4", "MS_ROLE": "MS_WORKER", "MS_WORKER_NUM": "16"},
+            4,
+            "MS_LOADPATCH_LOCAL_RANKS",
+        ),
+        ({"MS_ROLE": "MS_WORKER", "MS_WORKER_NUM": "2"}, 2, "MS_WORKER_NUM"),
+        ({"LOCAL_WORLD_SIZE": "4", "RANK_SIZE": "16"}, 4, "LOCAL_WORLD_SIZE"),
+        ({"OMPI_COMM_WORLD_LOCAL_SIZE": "3"}, 3, "OMPI_COMM_WORLD_LOCAL_SIZE"),
+        ({"RANK_SIZE": "8"}, 8, "RANK_SIZE"),
+        ({"MS_WORKER_NUM": "4"}, 1, "not in a distributed job"),  # the scheduler's env without MS_ROLE=MS_WORKER
+    ],
+)
 def test_local_ranks_from_the_launcher(clean_env, env, local, source):
     for name, value in env.items():
         clean_env.setenv(name, value)
@@ -83,10 +100,12 @@ def test_msrun_local_worker_num_read_from_the_launching_msrun(tmp_path, flag):
         "import os, subprocess, sys\n"
         "env = dict(os.environ, MS_ROLE='MS_WORKER', MS_WORKER_NUM='6')\n"
         "code = 'from ms_loadpatch.strategy.ranks import node_share; s = node_share(); print(s.local_ranks, s.source)'\n"
-        "sys.exit(subprocess.run([sys.executable, '-c', code], env=env).returncode)\n")
+        "sys.exit(subprocess.run([sys.executable, '-c', code], env=env).returncode)\n"
+    )
     env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARS}
-    proc = subprocess.run([sys.executable, str(fake), "--worker_num=6", *flag], capture_output=True, text=True,
-                          env=env, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, str(fake), "--worker_num=6", *flag], capture_output=True, text=True, env=env, timeout=120
+    )
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.split(None, 1) == ["3", "msrun --local_worker_num\n"]
 

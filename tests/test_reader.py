@@ -119,7 +119,7 @@ def test_file_ending_early_in_a_chunk_is_refused(chunked, odd_file, monkeypatch,
     with pytest.raises(CheckpointError) as raised:  # a buffer per tensor: the tensor the file ends in is named
         read_arrays(odd_file, separate=True)
     assert raised.value.path == odd_file
-    (name, (_, _, begin, stop)), = [(n, e) for n, e in header.entries.items() if e[2] <= 1000 < e[3]]
+    ((name, (_, _, begin, stop)),) = [(n, e) for n, e in header.entries.items() if e[2] <= 1000 < e[3]]
     assert f"read {1000 - begin} of {stop - begin} bytes of tensor {name!r}" in str(raised.value)
 
 
@@ -127,12 +127,21 @@ def test_patched_load_with_chunked_reads_is_identical(chunked, tmp_path, cpu_ker
     """The whole from_pretrained path with the shards read in chunks."""
     chunk_reads = []
     real = threaded_read._pread_into
-    monkeypatch.setattr(threaded_read, "_pread_into",
-                        lambda fd, view, offset, *rest: chunk_reads.append(offset) or real(fd, view, offset, *rest))
-    config = hf.Qwen2Config(vocab_size=512, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
-                            num_key_value_heads=2, intermediate_size=96, tie_word_embeddings=False)
-    directory = write_random_checkpoint(mt.Qwen2ForCausalLM, config, str(tmp_path / "qwen2"),
-                                        max_shard_bytes=150_000)
+    monkeypatch.setattr(
+        threaded_read,
+        "_pread_into",
+        lambda fd, view, offset, *rest: chunk_reads.append(offset) or real(fd, view, offset, *rest),
+    )
+    config = hf.Qwen2Config(
+        vocab_size=512,
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=96,
+        tie_word_embeddings=False,
+    )
+    directory = write_random_checkpoint(mt.Qwen2ForCausalLM, config, str(tmp_path / "qwen2"), max_shard_bytes=150_000)
     shards = [f for f in os.listdir(directory) if f.endswith(".safetensors")]
     assert len(shards) > 2
     for dtype in (None, ms.bfloat16):
@@ -153,8 +162,11 @@ def test_cold_plan_splits_reads_the_warm_plan_reads_whole(tmp_path, monkeypatch)
     data.tofile(path)
     offsets = []
     real = threaded_read._pread_into
-    monkeypatch.setattr(threaded_read, "_pread_into",
-                        lambda fd, view, offset, *rest: offsets.append(offset) or real(fd, view, offset, *rest))
+    monkeypatch.setattr(
+        threaded_read,
+        "_pread_into",
+        lambda fd, view, offset, *rest: offsets.append(offset) or real(fd, view, offset, *rest),
+    )
     monkeypatch.delenv(threaded_read.COLD_READ_THREADS_ENV_VAR, raising=False)
     monkeypatch.setenv("MS_LOADPATCH_LOCAL_RANKS", "1")
     fd = os.open(path, os.O_RDONLY)
@@ -185,8 +197,11 @@ def test_plan_follows_the_cache_and_the_first_read(tmp_path, monkeypatch):
     assert prefetch.read_plan(path, 1.0, 3) == threaded_read.ReadPlan(3)
     rates = []
     monkeypatch.setattr(prefetch, "first_read_rate", lambda p: rates.append(p) or rate)
-    for rate, expected in ((1e6, threaded_read.COLD_READ_THREADS), (None, threaded_read.COLD_READ_THREADS),
-                           (threaded_read.SLOW_STREAM_BYTES_PER_S * 2, 3)):
+    for rate, expected in (
+        (1e6, threaded_read.COLD_READ_THREADS),
+        (None, threaded_read.COLD_READ_THREADS),
+        (threaded_read.SLOW_STREAM_BYTES_PER_S * 2, 3),
+    ):
         plan = prefetch.read_plan(path, 0.0, 3)
         assert plan.cold and plan.threads == expected, (rate, plan)
     assert rates == [path] * 3
@@ -212,8 +227,9 @@ def test_a_read_outside_a_load_takes_the_cold_plan_at_once(tmp_path, monkeypatch
     save_file(tensors, path)
     plans = []
     real_read_arrays = prefetch.read_arrays
-    monkeypatch.setattr(prefetch, "read_arrays", lambda p, plan, *rest: plans.append(plan) or real_read_arrays(
-        p, plan, *rest))
+    monkeypatch.setattr(
+        prefetch, "read_arrays", lambda p, plan, *rest: plans.append(plan) or real_read_arrays(p, plan, *rest)
+    )
     monkeypatch.setattr(prefetch, "first_read_rate", lambda p: pytest.fail("timed a read nothing overlaps"))
     monkeypatch.setenv("MS_LOADPATCH_LOCAL_RANKS", "1")
     for cached in (0.0, 1.0):

@@ -205,14 +205,46 @@ def test_mutated_files(scratch, seed, mutations):
 # -- 2. generated headers: mostly well-formed, with one defect at a time
 
 _ALL_DTYPES = ["F64", "F32", "F16", "BF16", "I64", "I32", "I16", "I8", "U64", "U32", "U16", "U8", "BOOL"]
-_SIZES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U64": 8, "U32": 4,
-          "U16": 2, "U8": 1, "BOOL": 1}
+_SIZES = {
+    "F64": 8,
+    "F32": 4,
+    "F16": 2,
+    "BF16": 2,
+    "I64": 8,
+    "I32": 4,
+    "I16": 2,
+    "I8": 1,
+    "U64": 8,
+    "U32": 4,
+    "U16": 2,
+    "U8": 1,
+    "BOOL": 1,
+}
 _NAMES = st.text(st.characters(codec="utf-8", exclude_categories=("Cs",)), max_size=12)
 _DEFECTS = [
-    None, None, None,  # half of the examples: a valid file
-    "gap", "overlap", "short_data", "long_data", "bad_dtype", "unsupported_dtype", "float_dim", "negative_dim",
-    "huge_dim", "missing_field", "extra_field", "duplicate_field", "list_form", "dtype_map", "bad_metadata",
-    "duplicate_name", "unpadded", "nested_extra", "zero_size", "wrong_size",
+    None,
+    None,
+    None,  # half of the examples: a valid file
+    "gap",
+    "overlap",
+    "short_data",
+    "long_data",
+    "bad_dtype",
+    "unsupported_dtype",
+    "float_dim",
+    "negative_dim",
+    "huge_dim",
+    "missing_field",
+    "extra_field",
+    "duplicate_field",
+    "list_form",
+    "dtype_map",
+    "bad_metadata",
+    "duplicate_name",
+    "unpadded",
+    "nested_extra",
+    "zero_size",
+    "wrong_size",
 ]
 
 
@@ -257,12 +289,16 @@ def generated_files(draw):
         del target[draw(st.sampled_from(sorted(target)))]
     elif defect == "extra_field" and target:
         target[draw(st.sampled_from(["x", "offsets", "__metadata__"]))] = draw(
-            st.recursive(st.none() | st.booleans() | st.integers() | st.floats(-1e300, 1e300) | _NAMES,
-                         lambda inner: st.lists(inner, max_size=3) | st.dictionaries(_NAMES, inner, max_size=3),
-                         max_leaves=6))
+            st.recursive(
+                st.none() | st.booleans() | st.integers() | st.floats(-1e300, 1e300) | _NAMES,
+                lambda inner: st.lists(inner, max_size=3) | st.dictionaries(_NAMES, inner, max_size=3),
+                max_leaves=6,
+            )
+        )
     elif defect == "list_form" and target:
         header[target_name] = [target["dtype"], target["shape"], target["data_offsets"]] + draw(
-            st.sampled_from([[], [], [0]]))
+            st.sampled_from([[], [], [0]])
+        )
     elif defect == "dtype_map" and target:
         target["dtype"] = {target["dtype"]: draw(st.sampled_from([None, None, 0, []]))}
     elif defect == "bad_metadata":
@@ -270,21 +306,31 @@ def generated_files(draw):
     elif defect == "duplicate_name" and tensors:
         body = json.dumps(header, separators=(",", ":"))
         name = json.dumps(tensors[0])
-        first = draw(st.sampled_from(['{"dtype":"F32","shape":[],"data_offsets":[0,4]}', "5", "null",
-                                      '{"dtype":"F99","shape":[],"data_offsets":[0,4]}']))
+        first = draw(
+            st.sampled_from(
+                [
+                    '{"dtype":"F32","shape":[],"data_offsets":[0,4]}',
+                    "5",
+                    "null",
+                    '{"dtype":"F99","shape":[],"data_offsets":[0,4]}',
+                ]
+            )
+        )
         text = "{" + f"{name}:{first}," + body[1:]
     elif defect == "duplicate_field" and target:
         body = json.dumps(target, separators=(",", ":"))
         field = draw(st.sampled_from(["dtype", "shape", "data_offsets", "__metadata__"]))
-        header_text = json.dumps({k: (v if v is not target else "TARGET") for k, v in header.items()},
-                                 separators=(",", ":"))
+        header_text = json.dumps(
+            {k: (v if v is not target else "TARGET") for k, v in header.items()}, separators=(",", ":")
+        )
         dup = body[:-1] + f',"{field}":' + json.dumps(target.get(field, None)) + "}"
         text = header_text.replace('"TARGET"', dup, 1)
     elif defect == "nested_extra" and target:
         depth = draw(st.integers(120, 130))
         body = json.dumps(target, separators=(",", ":"))
-        header_text = json.dumps({k: (v if v is not target else "TARGET") for k, v in header.items()},
-                                 separators=(",", ":"))
+        header_text = json.dumps(
+            {k: (v if v is not target else "TARGET") for k, v in header.items()}, separators=(",", ":")
+        )
         text = header_text.replace('"TARGET"', '{"x":' + "[" * depth + "]" * depth + "," + body[1:], 1)
     elif defect == "zero_size" and target:
         target["shape"] = [0] + target["shape"]
@@ -326,11 +372,22 @@ def test_arbitrary_json_headers(scratch, header, data):
     "header, data, outcome",
     [
         # nesting: serde_json (safetensors) takes 127 levels, not 128
-        (b'{"a":{"x":' + b"[" * 125 + b"]" * 125 + b',"dtype":"U8","shape":[1],"data_offsets":[0,1]}}', b"\1", "loaded"),
-        (b'{"a":{"x":' + b"[" * 126 + b"]" * 126 + b',"dtype":"U8","shape":[1],"data_offsets":[0,1]}}', b"\1", "refused"),
+        (
+            b'{"a":{"x":' + b"[" * 125 + b"]" * 125 + b',"dtype":"U8","shape":[1],"data_offsets":[0,1]}}',
+            b"\1",
+            "loaded",
+        ),
+        (
+            b'{"a":{"x":' + b"[" * 126 + b"]" * 126 + b',"dtype":"U8","shape":[1],"data_offsets":[0,1]}}',
+            b"\1",
+            "refused",
+        ),
         # far deeper than Python's recursion limit: a RecursionError inside json, not a crash
-        (b'{"a":{"x":' + b"[" * 5000 + b"]" * 5000 + b',"dtype":"U8","shape":[1],"data_offsets":[0,1]}}', b"\1",
-         "refused"),
+        (
+            b'{"a":{"x":' + b"[" * 5000 + b"]" * 5000 + b',"dtype":"U8","shape":[1],"data_offsets":[0,1]}}',
+            b"\1",
+            "refused",
+        ),
         # -0 is a float to serde_json, so not a size; NaN and 1e400 are not JSON to it
         (b'{"a":{"dtype":"U8","shape":[-0],"data_offsets":[0,0]}}', b"", "refused"),
         (b'{"a":{"dtype":"U8","shape":[0],"data_offsets":[0,0],"x":NaN}}', b"", "refused"),
@@ -346,8 +403,11 @@ def test_arbitrary_json_headers(scratch, header, data):
         (b'{"a":{"dtype":"U8","shape":[18446744073709551615,0],"data_offsets":[0,0]}}', b"", "refused"),
         (b'{"a":{"dtype":"U8","shape":[4294967295,0],"data_offsets":[0,0]}}', b"", "loaded"),
         # a later entry for the same name wins, but each must be well-formed
-        (b'{"a":{"dtype":"U8","shape":[9],"data_offsets":[5,1]},"a":{"dtype":"U8","shape":[1],"data_offsets":[0,1]}}',
-         b"\1", "loaded"),
+        (
+            b'{"a":{"dtype":"U8","shape":[9],"data_offsets":[5,1]},"a":{"dtype":"U8","shape":[1],"data_offsets":[0,1]}}',
+            b"\1",
+            "loaded",
+        ),
         (b'{"a":5,"a":{"dtype":"U8","shape":[1],"data_offsets":[0,1]}}', b"\1", "refused"),
         (b'{"__metadata__":null,"__metadata__":null}', b"", "refused"),
         # serde's other forms of a struct and an enum

@@ -20,6 +20,7 @@ from ms_loadpatch.tools import original_format
 
 pytestmark = pytest.mark.usefixtures("cpu_kernels", "plugin_enabled")
 
+
 @pytest.fixture(scope="module")
 def ldm_pipeline(tmp_path_factory):
     """A tiny Stable Diffusion pipeline saved (its configs) and its UNet, VAE
@@ -34,16 +35,37 @@ def ldm_pipeline(tmp_path_factory):
     unet_config = {k: list(v) if isinstance(v, tuple) else v for k, v in tiny_unet().items()}
     with ms_loadpatch.disabled(), cpu_kernel_fallbacks():
         unet, vae = md.UNet2DConditionModel(**unet_config), md.AutoencoderKL(**tiny_vae())
-        text_encoder = mt.CLIPTextModel(hf.CLIPTextConfig(
-            vocab_size=128, hidden_size=8, intermediate_size=16, num_hidden_layers=1, num_attention_heads=2,
-            max_position_embeddings=16, projection_dim=8))
-        md.StableDiffusionPipeline(vae=vae, text_encoder=text_encoder, tokenizer=None, unet=unet,
-                                   scheduler=md.PNDMScheduler(), safety_checker=None, feature_extractor=None,
-                                   requires_safety_checker=False).save_pretrained(str(root / "config"))
+        text_encoder = mt.CLIPTextModel(
+            hf.CLIPTextConfig(
+                vocab_size=128,
+                hidden_size=8,
+                intermediate_size=16,
+                num_hidden_layers=1,
+                num_attention_heads=2,
+                max_position_embeddings=16,
+                projection_dim=8,
+            )
+        )
+        md.StableDiffusionPipeline(
+            vae=vae,
+            text_encoder=text_encoder,
+            tokenizer=None,
+            unet=unet,
+            scheduler=md.PNDMScheduler(),
+            safety_checker=None,
+            feature_extractor=None,
+            requires_safety_checker=False,
+        ).save_pretrained(str(root / "config"))
     ldm = {original_format.unet_key(name, unet_config): p.asnumpy() for name, p in unet.parameters_and_names()}
     up_blocks = len(tiny_vae()["up_block_types"])
-    ldm.update({"first_stage_model." + original_format.vae_key(name, up_blocks): original_format.vae_value(name, p.asnumpy())
-                for name, p in vae.parameters_and_names()})
+    ldm.update(
+        {
+            "first_stage_model." + original_format.vae_key(name, up_blocks): original_format.vae_value(
+                name, p.asnumpy()
+            )
+            for name, p in vae.parameters_and_names()
+        }
+    )
     ldm.update({original_format.text_encoder_key(name): p.asnumpy() for name, p in text_encoder.parameters_and_names()})
     save_file(ldm, str(root / "sd-ldm.safetensors"))
     return root, unet, text_encoder
@@ -53,8 +75,9 @@ def test_ldm_unet_converts_to_the_saved_unet(ldm_pipeline):
     """original_format.unet_key is the inverse of mindone's conversion: the file converts back to the UNet."""
     root, unet, _ = ldm_pipeline
     with ms_loadpatch.disabled():
-        loaded = md.UNet2DConditionModel.from_single_file(str(root / "sd-ldm.safetensors"),
-                                                          config=str(root / "config"), subfolder="unet")
+        loaded = md.UNet2DConditionModel.from_single_file(
+            str(root / "sd-ldm.safetensors"), config=str(root / "config"), subfolder="unet"
+        )
     expected = dict(unet.parameters_and_names())
     got = dict(loaded.parameters_and_names())
     assert expected.keys() == got.keys()
@@ -63,9 +86,14 @@ def test_ldm_unet_converts_to_the_saved_unet(ldm_pipeline):
 
 
 def _pipeline(root, **components):
-    return md.StableDiffusionPipeline.from_single_file(str(root / "sd-ldm.safetensors"), config=str(root / "config"),
-                                                       tokenizer=None, safety_checker=None, feature_extractor=None,
-                                                       **components)
+    return md.StableDiffusionPipeline.from_single_file(
+        str(root / "sd-ldm.safetensors"),
+        config=str(root / "config"),
+        tokenizer=None,
+        safety_checker=None,
+        feature_extractor=None,
+        **components,
+    )
 
 
 @pytest.mark.matrix
@@ -78,8 +106,10 @@ def test_pipeline_same_components_as_unpatched(ldm_pipeline):
         assert_same_model(getattr(reference, component), getattr(accelerated, component))
     assert accelerated.text_encoder is text_encoder
     report = ms_loadpatch.last_report()
-    assert report.technique.startswith("from_single_file") and report.model_class in ("UNet2DConditionModel",
-                                                                                      "AutoencoderKL")
+    assert report.technique.startswith("from_single_file") and report.model_class in (
+        "UNet2DConditionModel",
+        "AutoencoderKL",
+    )
 
 
 def test_pipeline_file_read_into_the_components(ldm_pipeline, monkeypatch):
@@ -124,8 +154,10 @@ def t5_checkpoint(tmp_path_factory):
         t5 = mt.T5EncoderModel(hf.T5Config(vocab_size=64, d_model=8, d_kv=4, d_ff=16, num_layers=1, num_heads=2))
         t5.save_pretrained(str(root / "text_encoder_3"))
     # torch's Embedding `weight` for mindspore's `embedding_table`
-    return root, {"text_encoders.t5xxl.transformer." + name.replace("embedding_table", "weight"): p.asnumpy()
-                  for name, p in t5.parameters_and_names()}
+    return root, {
+        "text_encoders.t5xxl.transformer." + name.replace("embedding_table", "weight"): p.asnumpy()
+        for name, p in t5.parameters_and_names()
+    }
 
 
 @pytest.mark.parametrize("dtype", [None, "float16"])
@@ -141,7 +173,8 @@ def test_t5_from_the_file_same_model_as_unpatched(t5_checkpoint, dtype):
     def load():
         checkpoint = {key: ms.Parameter(ms.Tensor(value), name=key) for key, value in arrays.items()}
         return single_file.create_diffusers_t5_model_from_checkpoint(
-            mt.T5EncoderModel, checkpoint, subfolder="text_encoder_3", config=str(root), mindspore_dtype=mindspore_dtype)
+            mt.T5EncoderModel, checkpoint, subfolder="text_encoder_3", config=str(root), mindspore_dtype=mindspore_dtype
+        )
 
     reference, accelerated = load_both(load)
     assert_same_model(reference, accelerated)

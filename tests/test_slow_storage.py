@@ -48,8 +48,14 @@ def wide_checkpoint(tmp_path_factory):
     import transformers as hf
 
     directory = tmp_path_factory.mktemp("slow-storage") / "wide"
-    config = hf.Qwen2Config(vocab_size=40000, hidden_size=32, num_hidden_layers=1, num_attention_heads=4,
-                            num_key_value_heads=2, intermediate_size=64)
+    config = hf.Qwen2Config(
+        vocab_size=40000,
+        hidden_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=64,
+    )
     with ms_loadpatch.disabled(), cpu_kernel_fallbacks():
         mt.Qwen2ForCausalLM(config).save_pretrained(directory)
     return str(directory)

@@ -17,8 +17,22 @@ from ms_loadpatch import versions
 from ms_loadpatch.targets import TARGETS
 
 # The documented shape of `status --json` (README "Status").
-TOP_KEYS = {"enabled", "versions", "supported", "tested", "python", "refusal", "untested", "libraries", "techniques",
-            "targets", "import", "activation", "last_build", "lazy_import"}
+TOP_KEYS = {
+    "enabled",
+    "versions",
+    "supported",
+    "tested",
+    "python",
+    "refusal",
+    "untested",
+    "libraries",
+    "techniques",
+    "targets",
+    "import",
+    "activation",
+    "last_build",
+    "lazy_import",
+}
 PYTHON_KEYS = {"version", "supported", "tested", "tested_here"}
 LIBRARY_KEYS = {"accelerated", "reason", "advice"}
 TECHNIQUE_KEYS = {"name", "kind", "libraries", "description", "state", "reason"}
@@ -42,8 +56,11 @@ def _status(args=(), prelude="", env_extra=None):
 
 
 def _verdicts(stdout):
-    return {line.split(":", 1)[0]: line.split(":", 1)[1].strip()
-            for line in stdout.splitlines() if line.startswith("mindone.") and ": " in line}
+    return {
+        line.split(":", 1)[0]: line.split(":", 1)[1].strip()
+        for line in stdout.splitlines()
+        if line.startswith("mindone.") and ": " in line
+    }
 
 
 @pytest.mark.matrix
@@ -135,15 +152,17 @@ def test_refused_version_says_not_accelerated_and_what_to_do(monkeypatch):
     newest = max(versions.TESTED["mindspore"], key=Version)
     for library in versions.LIBRARIES:
         assert verdicts[f"mindone.{library}"].startswith(
-            f"not accelerated: mindspore 2.11.0 is newer than the newest tested ({newest})"), out
+            f"not accelerated: mindspore 2.11.0 is newer than the newest tested ({newest})"
+        ), out
     assert out.count(f"what to do: install a tested version (mindspore {versions.tested_versions('mindspore')}") == 2
     assert f"set {versions.ALLOW_UNTESTED_ENV_VAR}=1" in out
     assert "  patched    " not in out, "nothing may be patched on a refused version"
 
 
 def test_untested_version_with_the_override_is_accelerated_with_a_warning():
-    out = _status(prelude=FAKE_VERSION.format(fake={"mindspore": "2.11.0"}),
-                  env_extra={versions.ALLOW_UNTESTED_ENV_VAR: "1"}).stdout
+    out = _status(
+        prelude=FAKE_VERSION.format(fake={"mindspore": "2.11.0"}), env_extra={versions.ALLOW_UNTESTED_ENV_VAR: "1"}
+    ).stdout
     assert _verdicts(out)["mindone.transformers"].startswith("accelerated"), out
     assert "warning: mindspore 2.11.0 is newer than the newest tested" in out
     assert f"accepted because {versions.ALLOW_UNTESTED_ENV_VAR} is set" in out
@@ -171,15 +190,22 @@ def test_status_names_the_running_python_and_the_tested_ones():
     the Pythons the tests run on; this one among them."""
     out = _status(["--no-import"]).stdout
     running = platform.python_version()
-    assert (f"  python {running} (supported {versions.SUPPORTED_PYTHON}; "
-            f"tested {', '.join(versions.TESTED_PYTHONS)})\n") in out, out
+    assert (
+        f"  python {running} (supported {versions.SUPPORTED_PYTHON}; tested {', '.join(versions.TESTED_PYTHONS)})\n"
+    ) in out, out
     status = json.loads(_status(["--no-import", "--json"]).stdout)
-    assert status["python"] == {"version": running, "supported": str(versions.SUPPORTED_PYTHON),
-                                "tested": list(versions.TESTED_PYTHONS), "tested_here": True}
+    assert status["python"] == {
+        "version": running,
+        "supported": str(versions.SUPPORTED_PYTHON),
+        "tested": list(versions.TESTED_PYTHONS),
+        "tested_here": True,
+    }
 
 
 def test_status_says_when_the_running_python_is_not_tested():
     prelude = "from ms_loadpatch import versions\nversions.TESTED_PYTHONS = ('3.0',)\n"
     out = _status(["--no-import"], prelude=prelude).stdout
     minor = ".".join(platform.python_version_tuple()[:2])
-    assert f"  python {platform.python_version()} (supported {versions.SUPPORTED_PYTHON}; tested 3.0, not {minor})" in out
+    assert (
+        f"  python {platform.python_version()} (supported {versions.SUPPORTED_PYTHON}; tested 3.0, not {minor})" in out
+    )

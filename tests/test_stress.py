@@ -24,11 +24,15 @@ BAD = {"bad", "bad-vae"}
 def summary_of(proc) -> dict:
     """The SUMMARY line's fields; `loads` as {kind: count}."""
     lines = [line for line in proc.stdout.splitlines() if line.startswith("SUMMARY ")]
-    assert lines, (f"no SUMMARY line; exit {proc.returncode}\n"
-                   f"stdout:\n{proc.stdout[-4000:]}\nstderr:\n{proc.stderr[-4000:]}")
+    assert lines, (
+        f"no SUMMARY line; exit {proc.returncode}\nstdout:\n{proc.stdout[-4000:]}\nstderr:\n{proc.stderr[-4000:]}"
+    )
     fields = dict(re.findall(r"(\w+)=(\S+)", lines[-1]))
-    loads = {} if fields["loads"] == "none" else {k: int(n) for k, n in
-                                                  (item.split(":") for item in fields.pop("loads").split(","))}
+    loads = (
+        {}
+        if fields["loads"] == "none"
+        else {k: int(n) for k, n in (item.split(":") for item in fields.pop("loads").split(","))}
+    )
     out = {k: float(v) if k == "seconds" else int(v) for k, v in fields.items() if k != "loads"}
     out["loads"] = loads
     return out
@@ -39,9 +43,27 @@ def test_stress_short():
     env = dict(os.environ)
     env.pop("MS_LOADPATCH", None)  # the plugin on, as a user's `import ms_loadpatch` has it
     proc = subprocess.run(
-        [sys.executable, "benchmarks/stress_loads.py", "--threads", str(threads), "--rounds", str(rounds),
-         "--seed", "2", "--watchdog", "120", "--loads", ",".join(KINDS), "--no-toggle"],
-        cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+        [
+            sys.executable,
+            "benchmarks/stress_loads.py",
+            "--threads",
+            str(threads),
+            "--rounds",
+            str(rounds),
+            "--seed",
+            "2",
+            "--watchdog",
+            "120",
+            "--loads",
+            ",".join(KINDS),
+            "--no-toggle",
+        ],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     detail = f"exit {proc.returncode}\nstdout:\n{proc.stdout[-6000:]}\nstderr:\n{proc.stderr[-6000:]}"
     summary = summary_of(proc)
     assert proc.returncode == 0, detail

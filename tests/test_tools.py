@@ -53,8 +53,14 @@ def mindone_imported():
 def cli_proc(*args, cwd=None, env_extra=None):
     env = dict(os.environ, **(env_extra or {}))
     env.pop("MS_LOADPATCH", None)
-    return subprocess.run([sys.executable, "-m", "ms_loadpatch", *args], capture_output=True, text=True,
-                          cwd=cwd or REPO, env=env, timeout=600)
+    return subprocess.run(
+        [sys.executable, "-m", "ms_loadpatch", *args],
+        capture_output=True,
+        text=True,
+        cwd=cwd or REPO,
+        env=env,
+        timeout=600,
+    )
 
 
 # -- bench (first: it generates the tiny checkpoint the later tests reuse)
@@ -65,8 +71,15 @@ def test_bench_without_path_generates_and_times_tiny_default(cache, tmp_path):
     proc = cli_proc("bench", "--size", "tiny", "--repeats", "1", "--json", str(out))
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "\x1b" not in proc.stderr and "\r" not in proc.stderr  # no progress display without a terminal
-    for text in ("built-in tiny checkpoint, Qwen2ForCausalLM", "from_pretrained", "peak RSS", "construct",
-                 "floor: read every checkpoint byte", "cast/assign", "init-missing"):
+    for text in (
+        "built-in tiny checkpoint, Qwen2ForCausalLM",
+        "from_pretrained",
+        "peak RSS",
+        "construct",
+        "floor: read every checkpoint byte",
+        "cast/assign",
+        "init-missing",
+    ):
         assert text in proc.stdout, proc.stdout
     # a tiny model shows no gap: either way the ratio is printed
     assert re.search(r"from_pretrained +[\d.]+ s +[\d.]+ s +[\d.]+x (faster|slower)", proc.stdout), proc.stdout
@@ -93,8 +106,13 @@ def test_bench_without_path_generates_and_times_tiny_default(cache, tmp_path):
     ttm = results["time_to_model"]
     for side in (ttm["unpatched"], ttm["patched"]):
         assert side["import_mindone_seconds"] > 0 and side["load_seconds"] > 0
-        assert side["seconds"] == pytest.approx(side["interpreter_seconds"] + side["import_mindspore_seconds"]
-                                                + side["import_mindone_seconds"] + side["load_seconds"], abs=1e-6)
+        assert side["seconds"] == pytest.approx(
+            side["interpreter_seconds"]
+            + side["import_mindspore_seconds"]
+            + side["import_mindone_seconds"]
+            + side["load_seconds"],
+            abs=1e-6,
+        )
     assert ttm["patched"]["lazy_import"] is True and ttm["unpatched"]["lazy_import"] is False
     assert re.search(r"total +[\d.]+ s +[\d.]+ s +[\d.]+x (faster|slower)", proc.stdout), proc.stdout
     assert "time to model: a fresh process from interpreter start" in proc.stdout
@@ -173,8 +191,9 @@ def test_bench_single_file(tmp_path, tiny_checkpoint, capsys):
     with ms_loadpatch.disabled():
         md.AutoencoderKL(**tiny_vae()).save_pretrained(tmp_path / "vae")
     out = tmp_path / "bench.json"
-    proc = cli_proc("bench", str(tmp_path / "vae"), "--single-file", "diffusion_pytorch_model.safetensors",
-                    "--json", str(out))
+    proc = cli_proc(
+        "bench", str(tmp_path / "vae"), "--single-file", "diffusion_pytorch_model.safetensors", "--json", str(out)
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert re.search(r"from_single_file +[\d.]+ s +[\d.]+ s", proc.stdout), proc.stdout
     results = json.loads(out.read_text())
@@ -232,9 +251,14 @@ def test_verify_reports_a_real_difference(tiny_checkpoint, tmp_path):
 def test_verify_diffusers_model_class_from_config(tmp_path):
     from mindone.diffusers import AutoencoderKL
 
-    AutoencoderKL(block_out_channels=(8, 16), down_block_types=("DownEncoderBlock2D",) * 2,
-                  up_block_types=("UpDecoderBlock2D",) * 2, latent_channels=4, norm_num_groups=4,
-                  layers_per_block=1).save_pretrained(str(tmp_path / "vae"))
+    AutoencoderKL(
+        block_out_channels=(8, 16),
+        down_block_types=("DownEncoderBlock2D",) * 2,
+        up_block_types=("UpDecoderBlock2D",) * 2,
+        latent_channels=4,
+        norm_num_groups=4,
+        layers_per_block=1,
+    ).save_pretrained(str(tmp_path / "vae"))
     proc = cli_proc("verify", str(tmp_path), "--subfolder", "vae", "--dtype", "float16")
     assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
     assert "(subfolder vae)" in proc.stdout
@@ -247,8 +271,9 @@ def test_verify_usage_errors(tmp_path, capsys):
     assert "not a directory" in capsys.readouterr().err
     assert cli.main(["verify", str(tmp_path)]) == 2
     assert "no config.json" in capsys.readouterr().err
-    (tmp_path / "model_index.json").write_text(json.dumps({"_class_name": "P", "unet": ["mindone.diffusers", "U"],
-                                                           "vae": ["mindone.diffusers", "V"]}))
+    (tmp_path / "model_index.json").write_text(
+        json.dumps({"_class_name": "P", "unet": ["mindone.diffusers", "U"], "vae": ["mindone.diffusers", "V"]})
+    )
     assert cli.main(["verify", str(tmp_path)]) == 2
     assert "pass one model with --subfolder (components: unet, vae)" in capsys.readouterr().err
     (tmp_path / "m").mkdir()
@@ -266,10 +291,16 @@ def test_snapshot_file_round_trip(tmp_path):
     from ms_loadpatch.testing import TensorRecord, compare
     from ms_loadpatch.tools.verify import read_snapshot, write_snapshot
 
-    snap = {"tensors": {"a.weight": TensorRecord("param", (2, 2), "BFloat16", np.arange(4, dtype=np.uint16).reshape(2, 2),
-                                                 True, "a.weight"),
-                        "b.buf": TensorRecord("buffer", (), "Int64", np.array(7, dtype=np.uint64), None, None)},
-            "ties": {"a.weight": ["c.weight"]}, "training": False}
+    snap = {
+        "tensors": {
+            "a.weight": TensorRecord(
+                "param", (2, 2), "BFloat16", np.arange(4, dtype=np.uint16).reshape(2, 2), True, "a.weight"
+            ),
+            "b.buf": TensorRecord("buffer", (), "Int64", np.array(7, dtype=np.uint64), None, None),
+        },
+        "ties": {"a.weight": ["c.weight"]},
+        "training": False,
+    }
     write_snapshot(snap, tmp_path / "s.npz")
     back = read_snapshot(tmp_path / "s.npz")
     assert compare(snap, back) == []
@@ -388,20 +419,24 @@ def test_pytest_plugin_failing_regression_test(pytester, tiny_checkpoint, mindon
     pytester.makepyfile(test_failing=FAILING_TEST.format(path=tiny_checkpoint))
     result = pytester.runpytest_inprocess("-p", "no:cacheprovider")
     result.assert_outcomes(failed=1)
-    result.stdout.fnmatch_lines([
-        "*patched load differs from unpatched load (1 difference(s)):*",
-        "*lm_head.weight: values differ in 1 of 4096 elements*",
-    ])
+    result.stdout.fnmatch_lines(
+        [
+            "*patched load differs from unpatched load (1 difference(s)):*",
+            "*lm_head.weight: values differ in 1 of 4096 elements*",
+        ]
+    )
 
 
 def test_pytest_plugin_does_not_enable_patching(pytester):
     # a fresh interpreter: the entry point loads the plugin, which must not import the package
-    pytester.makepyfile(test_untouched="""
+    pytester.makepyfile(
+        test_untouched="""
 import sys
 
 def test_not_imported():
     assert "ms_loadpatch" not in sys.modules
-""")
+"""
+    )
     result = pytester.runpytest_subprocess("-p", "no:cacheprovider")
     result.assert_outcomes(passed=1)
 
@@ -415,8 +450,12 @@ def test_pytest_plugin_registers_marker(pytester):
 
 
 def example_proc(args, tmp_path, env_extra=None):
-    env = dict(os.environ, TMPDIR=str(tmp_path), PYTHON=sys.executable,
-               PATH=os.pathsep.join([os.path.dirname(sys.executable), os.environ.get("PATH", "")]))
+    env = dict(
+        os.environ,
+        TMPDIR=str(tmp_path),
+        PYTHON=sys.executable,
+        PATH=os.pathsep.join([os.path.dirname(sys.executable), os.environ.get("PATH", "")]),
+    )
     env.pop("MS_LOADPATCH", None)
     env.pop("MS_LOADPATCH_REPORT", None)
     env.update(env_extra or {})
@@ -447,6 +486,7 @@ def test_examples_train_with_import_and_with_env(tmp_path):
 
 
 def test_example_regression_test_passes(pytester, mindone_imported):
-    result = pytester.runpytest_inprocess(os.path.join(EXAMPLES, "test_my_model_regression.py"), "-p",
-                                          "no:cacheprovider")
+    result = pytester.runpytest_inprocess(
+        os.path.join(EXAMPLES, "test_my_model_regression.py"), "-p", "no:cacheprovider"
+    )
     result.assert_outcomes(passed=3)

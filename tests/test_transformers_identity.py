@@ -33,14 +33,28 @@ ARCHS = {
     ),
     "llama": (
         mt.LlamaForCausalLM,
-        lambda: hf.LlamaConfig(vocab_size=128, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-                               num_key_value_heads=2, intermediate_size=64, tie_word_embeddings=False),
+        lambda: hf.LlamaConfig(
+            vocab_size=128,
+            hidden_size=32,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            intermediate_size=64,
+            tie_word_embeddings=False,
+        ),
     ),
     "mixtral": (
         mt.MixtralForCausalLM,
-        lambda: hf.MixtralConfig(vocab_size=128, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-                                 num_key_value_heads=2, intermediate_size=16, num_local_experts=8,
-                                 num_experts_per_tok=2),
+        lambda: hf.MixtralConfig(
+            vocab_size=128,
+            hidden_size=32,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            intermediate_size=16,
+            num_local_experts=8,
+            num_experts_per_tok=2,
+        ),
     ),
     "t5": (
         mt.T5ForConditionalGeneration,
@@ -48,8 +62,14 @@ ARCHS = {
     ),
     "bert": (
         mt.BertModel,
-        lambda: hf.BertConfig(vocab_size=128, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-                              intermediate_size=64, max_position_embeddings=64),
+        lambda: hf.BertConfig(
+            vocab_size=128,
+            hidden_size=32,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            intermediate_size=64,
+            max_position_embeddings=64,
+        ),
     ),
 }
 # (file dtype, sharded)
@@ -91,8 +111,9 @@ def _load(cls, path, **kwargs):
 def _assert_identical_loads(cls, path, **kwargs):
     (ref, ref_info), (acc, acc_info) = load_both(lambda: _load(cls, path, **kwargs))
     report = last_report()
-    assert report is not None and report.model_class == cls.__name__ and report.tensors_assigned > 0, \
+    assert report is not None and report.model_class == cls.__name__ and report.tensors_assigned > 0, (
         "the patched load did not go through the accelerated path"
+    )
     assert acc_info == ref_info
     assert_same_model(ref, acc)
     assert acc.config.to_dict() == ref.config.to_dict()
@@ -126,8 +147,9 @@ def test_dtype_keyword(checkpoints):
 
 
 def test_keep_in_fp32_modules_stay_fp32(checkpoints):
-    _, acc, _ = _assert_identical_loads(mt.T5ForConditionalGeneration, checkpoints["t5"]["fp32"],
-                                        mindspore_dtype=ms.float16)
+    _, acc, _ = _assert_identical_loads(
+        mt.T5ForConditionalGeneration, checkpoints["t5"]["fp32"], mindspore_dtype=ms.float16
+    )
     dtypes = {name: p.dtype for name, p in acc.parameters_and_names()}
     assert {d for n, d in dtypes.items() if ".wo." in n} == {ms.float32}
     assert ms.float16 in set(dtypes.values())
@@ -141,8 +163,9 @@ def test_tied_weights_are_one_parameter(checkpoints):
 def test_parallel_shard_loading(checkpoints, monkeypatch):
     monkeypatch.setenv("HF_ENABLE_PARALLEL_LOADING", "1")
     monkeypatch.setenv("HF_PARALLEL_LOADING_WORKERS", "3")
-    _, _, report = _assert_identical_loads(mt.MixtralForCausalLM, checkpoints["mixtral"]["bf16-sharded"],
-                                           mindspore_dtype=ms.float32)
+    _, _, report = _assert_identical_loads(
+        mt.MixtralForCausalLM, checkpoints["mixtral"]["bf16-sharded"], mindspore_dtype=ms.float32
+    )
     assert report.read_workers == 3 and report.shards > 3
 
 
@@ -180,7 +203,9 @@ def test_missing_and_unexpected_keys(checkpoints, tmp_path):
     for kwargs in ({}, {"mindspore_dtype": ms.bfloat16}):
         (ref, ref_info), (acc, acc_info) = load_both(lambda: _load(mt.Qwen2ForCausalLM, path, **kwargs))  # noqa: B023
         assert acc_info == ref_info
-        assert set(dropped) <= set(acc_info["missing_keys"]) and acc_info["unexpected_keys"] == ["model.extra_head.weight"]
+        assert set(dropped) <= set(acc_info["missing_keys"]) and acc_info["unexpected_keys"] == [
+            "model.extra_head.weight"
+        ]
         assert_same_model(ref, acc)
         # the norm's weight is made from a tensor (never lazy): the other two are filled
         assert last_report().missing_initialised == 2 and last_report().draws_taken > 0
@@ -280,7 +305,8 @@ def test_one_state_dict_walk_per_load(checkpoints, monkeypatch):
     them (mindspore makes its hook dicts on first read)."""
     # not the recursion into child cells
     shards, unpatched, patched, (ref, _), (acc, _) = _walks_of_both_loads(
-        checkpoints, monkeypatch, "state_dict", lambda args, kwargs, _: not args and kwargs.get("destination") is None)
+        checkpoints, monkeypatch, "state_dict", lambda args, kwargs, _: not args and kwargs.get("destination") is None
+    )
     assert unpatched == ["Qwen2ForCausalLM"] * (1 + shards)  # the key check, then one per shard
     assert patched == ["Qwen2ForCausalLM"]
     skip = (building.CellInitTemplate.PER_INSTANCE_TIME, "init_tensor")  # per instance; never drawn lazily (README)
@@ -291,7 +317,8 @@ def test_one_pt2ms_walk_per_load(checkpoints, monkeypatch):
     """mindone's _get_pt2ms_mappings walks the model for _load_pretrained_model
     and again per shard's key conversion; an accelerated load walks once."""
     shards, unpatched, patched, _, _ = _walks_of_both_loads(
-        checkpoints, monkeypatch, "cells_and_names", lambda args, kwargs, caller: caller == "_get_pt2ms_mappings")
+        checkpoints, monkeypatch, "cells_and_names", lambda args, kwargs, caller: caller == "_get_pt2ms_mappings"
+    )
     assert unpatched == ["Qwen2ForCausalLM"] * (1 + shards)
     assert patched == ["Qwen2ForCausalLM"]
 
@@ -360,8 +387,11 @@ class _Conv1dQwen2(mt.Qwen2ForCausalLM):
         self.conv = ms.nn.Conv1d(4, 4, 3, has_bias=True, weight_init="normal", bias_init="normal")
 
 
-@pytest.mark.parametrize("cls", [_StrictFp32Qwen2, _FloatBufferQwen2, _Conv1dQwen2],
-                         ids=["keep-fp32-strict", "float-buffer", "conv1d-mapping"])
+@pytest.mark.parametrize(
+    "cls",
+    [_StrictFp32Qwen2, _FloatBufferQwen2, _Conv1dQwen2],
+    ids=["keep-fp32-strict", "float-buffer", "conv1d-mapping"],
+)
 def test_cast_while_reading_gives_way_to_the_file_values(tmp_path, cls):
     """A load asked for bf16 casts fp32 tensors to bf16 while reading them.
     Where that guess does not fit (a parameter kept in fp32, a buffer, a

@@ -35,10 +35,22 @@ def _fake_versions(monkeypatch, fake):
 # -- ranges
 
 
-@pytest.mark.parametrize("version,accepted", [
-    ("2.6.0", False), ("2.7.0", True), ("2.7.1", True), ("2.7.1.post1", True), ("2.7.2", True),
-    ("2.8.0", True), ("2.9.0", True), ("2.9.1", True), ("2.10.0", True), ("2.11.0", False), ("3.0.0", False),
-])
+@pytest.mark.parametrize(
+    "version,accepted",
+    [
+        ("2.6.0", False),
+        ("2.7.0", True),
+        ("2.7.1", True),
+        ("2.7.1.post1", True),
+        ("2.7.2", True),
+        ("2.8.0", True),
+        ("2.9.0", True),
+        ("2.9.1", True),
+        ("2.10.0", True),
+        ("2.11.0", False),
+        ("3.0.0", False),
+    ],
+)
 def test_mindspore_range(monkeypatch, version, accepted):
     monkeypatch.delenv(versions.ALLOW_UNTESTED_ENV_VAR, raising=False)
     _fake_versions(monkeypatch, {"mindspore": version, "mindone": "0.5.0"})
@@ -50,12 +62,25 @@ def test_mindspore_range(monkeypatch, version, accepted):
 
 
 @pytest.mark.matrix
-@pytest.mark.parametrize("version,accepted", [
-    ("2.7.1.post1", True), ("2.7.0.post2", True), ("2.7.1+cpu", True), ("2.7.1.post1+ascend.910b", True),
-    ("2.10.0+cpu", True), ("2.10.0.post1", True), ("2.10.1+cpu", True),
-    ("2.6.0.post1", False), ("2.6.9+cpu", False), ("2.7.0rc1", False),
-    ("2.11.0+cpu", False), ("2.11.0.post1", False), ("2.11.0rc1", False), ("2.11.0.dev0", False),
-])
+@pytest.mark.parametrize(
+    "version,accepted",
+    [
+        ("2.7.1.post1", True),
+        ("2.7.0.post2", True),
+        ("2.7.1+cpu", True),
+        ("2.7.1.post1+ascend.910b", True),
+        ("2.10.0+cpu", True),
+        ("2.10.0.post1", True),
+        ("2.10.1+cpu", True),
+        ("2.6.0.post1", False),
+        ("2.6.9+cpu", False),
+        ("2.7.0rc1", False),
+        ("2.11.0+cpu", False),
+        ("2.11.0.post1", False),
+        ("2.11.0rc1", False),
+        ("2.11.0.dev0", False),
+    ],
+)
 def test_post_and_local_releases_follow_their_release(monkeypatch, version, accepted):
     """A post release (2.7.1.post1) or a local build (2.7.1+cpu) of a
     supported release passes the gate with it; one of a refused release, or a
@@ -168,7 +193,9 @@ def test_all_features_present_by_default(fresh_techniques):
     assert chosen.mindspore == ms.__version__
     assert (chosen.assign, chosen.cast, chosen.construct) == (
         "Parameter.set_data (transformers: then its lazy initializer dropped, as Parameter.init_data does)",
-        "Tensor.set_dtype", "Parameter.init_param scoped to the building thread (no_init_parameters' flag)")
+        "Tensor.set_dtype",
+        "Parameter.init_param scoped to the building thread (no_init_parameters' flag)",
+    )
 
 
 def _drop_no_init(monkeypatch):
@@ -215,15 +242,18 @@ def _bfloat16_maps_elsewhere(monkeypatch):
     monkeypatch.setattr(ms.Tensor, "from_numpy", staticmethod(lambda a: real(np.asarray(a, dtype=np.float32))))
 
 
-@pytest.mark.parametrize("simulate,expected", [
-    (_drop_no_init, "lacks mindspore.nn.utils.no_init_parameters"),
-    (_drop_set_data, "lacks Parameter.set_data"),
-    (_drop_set_dtype, "lacks Tensor.set_dtype"),
-    (_drop_from_numpy, "lacks Tensor.from_numpy"),
-    (_drop_bfloat16, "lacks mindspore.common.np_dtype.bfloat16"),
-    (_invalid_bfloat16, "lacks a usable mindspore.common.np_dtype.bfloat16"),
-    (_bfloat16_maps_elsewhere, "Tensor.from_numpy(np_dtype.bfloat16 array) gives Float32, not BFloat16"),
-])
+@pytest.mark.parametrize(
+    "simulate,expected",
+    [
+        (_drop_no_init, "lacks mindspore.nn.utils.no_init_parameters"),
+        (_drop_set_data, "lacks Parameter.set_data"),
+        (_drop_set_dtype, "lacks Tensor.set_dtype"),
+        (_drop_from_numpy, "lacks Tensor.from_numpy"),
+        (_drop_bfloat16, "lacks mindspore.common.np_dtype.bfloat16"),
+        (_invalid_bfloat16, "lacks a usable mindspore.common.np_dtype.bfloat16"),
+        (_bfloat16_maps_elsewhere, "Tensor.from_numpy(np_dtype.bfloat16 array) gives Float32, not BFloat16"),
+    ],
+)
 def test_unusable_mindspore_is_reported(monkeypatch, fresh_techniques, simulate, expected):
     simulate(monkeypatch)
     chosen = api_verdict()
@@ -258,14 +288,26 @@ def _fill_keeps_the_initializer(monkeypatch):
     monkeypatch.setattr(assign, "fill", lambda param, value: param.set_data(value))
 
 
-@pytest.mark.parametrize("simulate,technique,expected", [
-    (_cell_gets_half, api_probes.MIXIN_METHODS, "nn.Cell.half shadows mindone's ModuleUtilsMixin.half"),
-    (_fill_keeps_the_initializer, api_probes.LAZY_FILL, "filling a lazy parameter: its probe failed (copy of a "
-                                                        "parameter filled by the fast path does not have its value)"),
-    (_cell_to_probe_fails, api_probes.CELL_TO, "nn.Cell.to shadows mindone's ModuleUtilsMixin.to and its probe failed"),
-])
-def test_mindspore_shadowing_a_mixin_method_skips_transformers_only(monkeypatch, fresh_techniques, simulate,
-                                                                    technique, expected):
+@pytest.mark.parametrize(
+    "simulate,technique,expected",
+    [
+        (_cell_gets_half, api_probes.MIXIN_METHODS, "nn.Cell.half shadows mindone's ModuleUtilsMixin.half"),
+        (
+            _fill_keeps_the_initializer,
+            api_probes.LAZY_FILL,
+            "filling a lazy parameter: its probe failed (copy of a "
+            "parameter filled by the fast path does not have its value)",
+        ),
+        (
+            _cell_to_probe_fails,
+            api_probes.CELL_TO,
+            "nn.Cell.to shadows mindone's ModuleUtilsMixin.to and its probe failed",
+        ),
+    ],
+)
+def test_mindspore_shadowing_a_mixin_method_skips_transformers_only(
+    monkeypatch, fresh_techniques, simulate, technique, expected
+):
     """Per-library gate: a problem of mindone.transformers' path leaves
     diffusers accelerated; the probe's finding is typed (technique, libraries, reason)."""
     simulate(monkeypatch)
@@ -290,8 +332,10 @@ def test_a_failed_draws_probe_is_named_by_technique(monkeypatch, fresh_technique
     assert chosen.problem_of(api_probes.CELL_TO) is None
     assert "seeds went elsewhere" in chosen.refusal_for("transformers") and chosen.refusal_for("diffusers") is None
     rows = {row["name"]: row for row in chosen.rows()}
-    assert rows[api_probes.RANDOM_DRAWS]["state"] == "skipped" and "seeds went elsewhere" in rows[
-        api_probes.RANDOM_DRAWS]["reason"]
+    assert (
+        rows[api_probes.RANDOM_DRAWS]["state"] == "skipped"
+        and "seeds went elsewhere" in rows[api_probes.RANDOM_DRAWS]["reason"]
+    )
     if api_probes.CELL_TO in rows:
         assert rows[api_probes.CELL_TO]["state"] == "active", rows[api_probes.CELL_TO]
 
@@ -448,7 +492,9 @@ def test_refused_version_is_clean(monkeypatch):
     report = report_of(proc)
     assert report["enabled"] is False
     status = report["status"]
-    assert status["enabled"] is False and status["refusal"].startswith("mindspore 2.11.0 is newer than the newest tested")
+    assert status["enabled"] is False and status["refusal"].startswith(
+        "mindspore 2.11.0 is newer than the newest tested"
+    )
     assert all(row["state"] == "skipped" and row["reason"].startswith("refused: ") for row in status["targets"])
     assert all(verdict["accelerated"] is False for verdict in status["libraries"].values())
     assert report["unpatched"] is True, report["unpatched"]

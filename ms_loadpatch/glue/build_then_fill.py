@@ -89,8 +89,9 @@ def _accelerated(wrapped, model_class, args, kwargs, into=None):
         return wrapped(*args, **kwargs)
 
     if getattr(_inside, "call", None):  # called by another such call: its layers filled before the outer copies them
-        return built_with_draws(call, foreign=_source_parameters(args, kwargs, into), fast_assign=_fast_assign(),
-                                into=into)[0]
+        return built_with_draws(
+            call, foreign=_source_parameters(args, kwargs, into), fast_assign=_fast_assign(), into=into
+        )[0]
     with core.accelerated_load() as allowed:
         reason = "ms_loadpatch is being disabled" if not allowed else api_verdict().draws_problem
         if reason is not None:
@@ -103,9 +104,9 @@ def _accelerated(wrapped, model_class, args, kwargs, into=None):
         _inside.call = wrapped.__name__
         try:
             with report.phase("build and fill"):
-                result, report.missing_initialised = built_with_draws(call, when_built=report.note_construction,
-                                                                      foreign=foreign, fast_assign=_fast_assign(),
-                                                                      into=into)
+                result, report.missing_initialised = built_with_draws(
+                    call, when_built=report.note_construction, foreign=foreign, fast_assign=_fast_assign(), into=into
+                )
         finally:
             _inside.call = None
         report.total = report.phases["build and fill"]

@@ -23,9 +23,10 @@ def _positions(wrapped) -> dict[str, int]:
     key = (getattr(function, "__code__", function), bound)
     positions = _positions_by_code.get(key)
     if positions is None:
-        parameters = list(inspect.signature(function).parameters.values())[1 if bound else 0:]
-        positions = {p.name: i for i, p in enumerate(parameters)
-                     if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)}
+        parameters = list(inspect.signature(function).parameters.values())[1 if bound else 0 :]
+        positions = {
+            p.name: i for i, p in enumerate(parameters) if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
+        }
         positions.update({p.name: None for p in parameters if p.kind is p.KEYWORD_ONLY})
         _positions_by_code[key] = positions
     return positions
@@ -52,7 +53,7 @@ def with_argument(wrapped, args, kwargs, name: str, value):
     where the caller passed it (by position or by name; by name if not passed)."""
     position = _position(wrapped, name)
     if position is not None and position < len(args):
-        return args[:position] + (value,) + args[position + 1:], kwargs
+        return args[:position] + (value,) + args[position + 1 :], kwargs
     return args, {**kwargs, name: value}
 
 

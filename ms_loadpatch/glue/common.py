@@ -26,7 +26,7 @@ logger = logging.getLogger("ms_loadpatch")
 
 
 def overridden_method(cls, base, names) -> str | None:
-    """"X overrides m" for the first class between `cls` and `base` that
+    """ "X overrides m" for the first class between `cls` and `base` that
     defines one of `names` itself (it took over the loading path), else None."""
     for klass in cls.__mro__:
         if klass is base:
@@ -47,8 +47,9 @@ def from_pretrained(wrapped, instance, args, kwargs, fallback_reason, accelerate
     with core.accelerated_load() as allowed:
         reason = fallback_reason(instance, kwargs) if allowed else "ms_loadpatch is being disabled"
         if reason is not None:
-            logger.debug("ms_loadpatch: %s.from_pretrained unpatched: %s", getattr(instance, "__name__", instance),
-                         reason)
+            logger.debug(
+                "ms_loadpatch: %s.from_pretrained unpatched: %s", getattr(instance, "__name__", instance), reason
+            )
             with CONSTRUCTION_LOCK:
                 return wrapped(*args, **kwargs)
         return accelerated(wrapped, instance, args, kwargs)
@@ -165,8 +166,7 @@ def check_index_against_shards(ctx, files, listed_keys, weight_map) -> None:
         return
     shard = weight_map().get(key)
     path = next((f for f in files if os.path.basename(os.fspath(f)) == shard), shard or files[0])
-    raise CheckpointError(path, "the checkpoint's index lists this tensor in this file, but no shard holds it",
-                          key=key)
+    raise CheckpointError(path, "the checkpoint's index lists this tensor in this file, but no shard holds it", key=key)
 
 
 def mapped_as_unpatched(ctx, mapping, tensor, name):

@@ -53,6 +53,7 @@ _LOADING_PATH = ("_load_pretrained_model", "_fix_state_dict_keys_on_load", "to",
 _FALLBACK_KWARGS = ("from_flax", "dduf_entries", "device_map", "quantization_config", "state_dict")
 _TECHNIQUE = "lazy construction, set_dtype on lazy params, set_data from owned read buffer, one set_dtype cast"
 
+
 def _modeling_utils():
     return sys.modules[_MODULE]
 
@@ -87,8 +88,9 @@ def _accelerated_from_pretrained(wrapped, instance, args, kwargs):
     report.technique = _TECHNIQUE
     requested = kwargs.get("mindspore_dtype")
     dtype = requested if isinstance(requested, ms.Type) else None
-    return common.accelerated_load(wrapped, args, kwargs, report, dtype, lambda: _local_checkpoint_files(args, kwargs),
-                                   _finish, _progress_bars)
+    return common.accelerated_load(
+        wrapped, args, kwargs, report, dtype, lambda: _local_checkpoint_files(args, kwargs), _finish, _progress_bars
+    )
 
 
 def _progress_bars() -> bool:
@@ -170,9 +172,7 @@ def load_pretrained_model(ctx, wrapped, instance, args, kwargs):
     model = argument(wrapped, args, kwargs, "model")
     files = argument(wrapped, args, kwargs, "resolved_model_file")
     paths = [f for f in (files or []) if not isinstance(f, dict)]
-    reason = next(
-        (f"{f} is not a safetensors file" for f in paths if not os.fspath(f).endswith(".safetensors")), None
-    )
+    reason = next((f"{f} is not a safetensors file" for f in paths if not os.fspath(f).endswith(".safetensors")), None)
     index = None
     if reason is None:
         with ctx.report.phase("index"):
@@ -185,9 +185,10 @@ def load_pretrained_model(ctx, wrapped, instance, args, kwargs):
         state_dict = argument(wrapped, args, kwargs, "state_dict")
         if state_dict:  # read by our load_state_dict as tensors; mindone's loader wants Parameters of the file's values
             registry = ctx.state.cast_at_read
-            state_dict = {k: v if isinstance(v, ms.Parameter) else ms.Parameter(registry.as_in_file(v, ctx.report),
-                                                                                  name=k)
-                          for k, v in state_dict.items()}
+            state_dict = {
+                k: v if isinstance(v, ms.Parameter) else ms.Parameter(registry.as_in_file(v, ctx.report), name=k)
+                for k, v in state_dict.items()
+            }
             args, kwargs = with_argument(wrapped, args, kwargs, "state_dict", state_dict)
         return wrapped(*args, **kwargs)
     ctx.state.parameter_index = (model, index)
@@ -233,19 +234,29 @@ def load_shard_file(wrapped, instance, args, kwargs):
         path = shard_file
     with file_named_in_errors(path):  # whatever fails with this file's tensors names it
         mismatched_keys = sys.modules[_LOADING_MODULE]._find_mismatched_keys(
-            state_dict, argument(wrapped, args, kwargs, "model_state_dict"),
+            state_dict,
+            argument(wrapped, args, kwargs, "model_state_dict"),
             argument(wrapped, args, kwargs, "loaded_keys"),
-            argument(wrapped, args, kwargs, "ignore_mismatched_sizes", False)
+            argument(wrapped, args, kwargs, "ignore_mismatched_sizes", False),
         )
         with ctx.report.phase("assign"):
             try:
-                assign_in_final_dtype(index, state_dict, argument(wrapped, args, kwargs, "dtype"),
-                                      argument(wrapped, args, kwargs, "keep_in_fp32_modules"), ctx.report,
-                                      ctx.state.cast_at_read)
+                assign_in_final_dtype(
+                    index,
+                    state_dict,
+                    argument(wrapped, args, kwargs, "dtype"),
+                    argument(wrapped, args, kwargs, "keep_in_fp32_modules"),
+                    ctx.report,
+                    ctx.state.cast_at_read,
+                )
             finally:
                 ctx.state.cast_at_read.clear()  # tensors not assigned (unexpected keys) are freed
-    return (argument(wrapped, args, kwargs, "offload_index"), argument(wrapped, args, kwargs, "state_dict_index"),
-            mismatched_keys, [])
+    return (
+        argument(wrapped, args, kwargs, "offload_index"),
+        argument(wrapped, args, kwargs, "state_dict_index"),
+        mismatched_keys,
+        [],
+    )
 
 
 @inside_load(_active)
@@ -293,8 +304,10 @@ def _locked(manager):
 
 @contextlib.contextmanager
 def _timed_construction(ctx):
-    with ctx.report.phase("construct"), lazy_construction(checkpoint_tensors=ctx.checkpoint_tensors(),
-                                                          when_built=ctx.report.note_construction):
+    with (
+        ctx.report.phase("construct"),
+        lazy_construction(checkpoint_tensors=ctx.checkpoint_tensors(), when_built=ctx.report.note_construction),
+    ):
         yield
 
 
@@ -302,8 +315,13 @@ def _local_checkpoint_files(args, kwargs) -> common.CheckpointFiles:
     """The safetensors files mindone will resolve for a local directory, in its
     lookup order: the index in the subfolder, then a single file at the root,
     then in the subfolder."""
-    return common.checkpoint_files(args, kwargs, _modeling_utils()._add_variant, lambda root, subfolder, named: [
-        os.path.join(root, subfolder, named("diffusion_pytorch_model.safetensors.index.json")),
-        os.path.join(root, named("diffusion_pytorch_model.safetensors")),
-        os.path.join(root, subfolder, named("diffusion_pytorch_model.safetensors")) if subfolder else None,
-    ])
+    return common.checkpoint_files(
+        args,
+        kwargs,
+        _modeling_utils()._add_variant,
+        lambda root, subfolder, named: [
+            os.path.join(root, subfolder, named("diffusion_pytorch_model.safetensors.index.json")),
+            os.path.join(root, named("diffusion_pytorch_model.safetensors")),
+            os.path.join(root, subfolder, named("diffusion_pytorch_model.safetensors")) if subfolder else None,
+        ],
+    )

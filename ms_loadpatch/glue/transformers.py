@@ -23,7 +23,12 @@ from .calls import argument, inside_load
 from ..strategy import building, cellpasses, context
 from ..strategy.assign import assign, cast_parameters, cell_to_keeping_lazy, check_and_pair
 from ..strategy.building import deferred_writes, draws, init_pass, window
-from ..strategy.building.construction import initialize_unloaded, lazy_construction, refresh_parameter_names, state_index
+from ..strategy.building.construction import (
+    initialize_unloaded,
+    lazy_construction,
+    refresh_parameter_names,
+    state_index,
+)
 from ..strategy.safetensors_header import exception_naming_file, file_named_in_errors, safe_open_error_naming_file
 from ..strategy.tensors import to_tensor
 
@@ -43,8 +48,9 @@ def _fallback_reason(cls, kwargs) -> str | None:
         return "TF / Flax checkpoints"
     if kwargs.get("state_dict") is not None:
         return "a state_dict passed by the caller (its tensors must not be aliased)"
-    return (common.overridden_method(cls, _modeling_utils().PreTrainedModel, _LOADING_PATH)
-            or fingerprints.library_problem("transformers"))
+    return common.overridden_method(
+        cls, _modeling_utils().PreTrainedModel, _LOADING_PATH
+    ) or fingerprints.library_problem("transformers")
 
 
 # -- entry points (targets.TARGETS; from_config, half and float are common's)
@@ -68,9 +74,16 @@ def _accelerated_from_pretrained(wrapped, instance, args, kwargs):
     try:
         # mindone's own precedence: `dtype`, then the deprecated `mindspore_dtype`
         requested = kwargs.get("dtype") if kwargs.get("dtype") is not None else kwargs.get("mindspore_dtype")
-        return common.accelerated_load(wrapped, args, kwargs, report, requested,
-                                       lambda: _local_checkpoint_files(args, kwargs), _refuse_if_not_loaded,
-                                       _progress_bars)
+        return common.accelerated_load(
+            wrapped,
+            args,
+            kwargs,
+            report,
+            requested,
+            lambda: _local_checkpoint_files(args, kwargs),
+            _refuse_if_not_loaded,
+            _progress_bars,
+        )
     except Exception as exc:
         # mindone checks a single-file checkpoint with safetensors' safe_open and its metadata, in errors
         # that do not name it
@@ -96,10 +109,15 @@ def _refuse_if_not_loaded(ctx, result) -> None:
 def _local_checkpoint_files(args, kwargs) -> common.CheckpointFiles:
     """The safetensors files mindone will read for a local directory: the
     single file first, then the index, as its _get_resolved_checkpoint_files."""
-    return common.checkpoint_files(args, kwargs, _modeling_utils()._add_variant, lambda root, subfolder, named: [
-        os.path.join(root, subfolder, named("model.safetensors")),
-        os.path.join(root, subfolder, named("model.safetensors.index.json")),
-    ])
+    return common.checkpoint_files(
+        args,
+        kwargs,
+        _modeling_utils()._add_variant,
+        lambda root, subfolder, named: [
+            os.path.join(root, subfolder, named("model.safetensors")),
+            os.path.join(root, subfolder, named("model.safetensors.index.json")),
+        ],
+    )
 
 
 def _resolved_archive_file(exc, wrapped):
@@ -172,8 +190,11 @@ def model_init(wrapped, instance, args, kwargs):
         deferred_writes.usable_kinds()  # probed once, before the build launches anything
         ctx.cleanup.enter_context(draws.giving_back(ctx.ledger))
         ctx.exit_stack.enter_context(ctx.report.phase("construct"))
-        ctx.exit_stack.enter_context(lazy_construction(checkpoint_tensors=ctx.checkpoint_tensors(),
-                                                       when_built=ctx.report.note_construction, ledger=ctx.ledger))
+        ctx.exit_stack.enter_context(
+            lazy_construction(
+                checkpoint_tensors=ctx.checkpoint_tensors(), when_built=ctx.report.note_construction, ledger=ctx.ledger
+            )
+        )
         ctx.constructing = True
     return wrapped(*args, **kwargs)
 
@@ -186,8 +207,11 @@ def init_weights(wrapped, instance, args, kwargs):
     ties after the build), the parameter names refreshed as mindone does."""
     ctx = context.current()
     if ctx is None or not ctx.constructing:
-        if _modeling_utils()._init_weights or not window.in_builder() or fingerprints.changed(
-                "transformers.init_weights"):
+        if (
+            _modeling_utils()._init_weights
+            or not window.in_builder()
+            or fingerprints.changed("transformers.init_weights")
+        ):
             return wrapped(*args, **kwargs)
         # a build inside lazy_construction() with mindone's init pass off: what init_weights does then
         refresh_parameter_names(instance)
@@ -214,9 +238,16 @@ def _init_pass(owner, ledger, counts):
         init_pass.run(owner, owner._initialize_weights)
         return
     flag_of, set_plain = cellpasses.flag_lookups()
-    init_pass.run(owner, owner._init_weights, is_done=lambda cell: flag_of(cell, "_is_hf_initialized"),
-                  mark_done=lambda cell: set_plain(cell, "_is_hf_initialized", True), ledger=ledger,
-                  copied_from=building.copied_from, counts=counts, owe_draws=True)
+    init_pass.run(
+        owner,
+        owner._init_weights,
+        is_done=lambda cell: flag_of(cell, "_is_hf_initialized"),
+        mark_done=lambda cell: set_plain(cell, "_is_hf_initialized", True),
+        ledger=ledger,
+        copied_from=building.copied_from,
+        counts=counts,
+        owe_draws=True,
+    )
 
 
 def tie_weights(wrapped, instance, args, kwargs):
@@ -224,8 +255,13 @@ def tie_weights(wrapped, instance, args, kwargs):
     accelerated load: the same walk and calls, its per-cell
     `hasattr(cell, "_tie_weights")` answered by cellpasses. Anywhere else, or
     when mindone's method is not the one this repeats, mindone's own."""
-    if (context.current() is None or args or kwargs or fingerprints.changed("transformers.tie_weights")
-            or not cellpasses.active()):
+    if (
+        context.current() is None
+        or args
+        or kwargs
+        or fingerprints.changed("transformers.tie_weights")
+        or not cellpasses.active()
+    ):
         return wrapped(*args, **kwargs)
     base = _modeling_utils().PreTrainedModel
     for _, module in instance.cells_and_names():
@@ -256,8 +292,12 @@ def load_pretrained_model(ctx, wrapped, instance, args, kwargs):
     result = wrapped(*args, **kwargs)
     sharded_metadata = argument(wrapped, args, kwargs, "sharded_metadata")
     if sharded_metadata and isinstance(files, list):  # mindone leaves a weight no shard holds randomly initialised
-        common.check_index_against_shards(ctx, files, sharded_metadata.get("all_checkpoint_keys", ()),
-                                          lambda: sharded_metadata.get("weight_map") or {})
+        common.check_index_against_shards(
+            ctx,
+            files,
+            sharded_metadata.get("all_checkpoint_keys", ()),
+            lambda: sharded_metadata.get("weight_map") or {},
+        )
     model = result[0]
     with ctx.report.phase("init-missing"):
         ctx.report.missing_initialised = initialize_unloaded(model, ctx.ledger)

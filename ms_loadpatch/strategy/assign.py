@@ -168,10 +168,17 @@ def cell_to_keeping_lazy(cell, dtype, skip_untouched: bool = True):
 # gives what mindone's two steps (checkpoint -> construction dtype -> final) give.
 # For fp16 and bf16 checkpoints this was checked value by value (versions.py).
 EXACT_WIDENING = {
-    (ms.float16, ms.float32), (ms.bfloat16, ms.float32), (ms.float16, ms.float64),
-    (ms.bfloat16, ms.float64), (ms.float32, ms.float64),
-    (ms.int8, ms.int16), (ms.int8, ms.int32), (ms.int8, ms.int64),
-    (ms.int16, ms.int32), (ms.int16, ms.int64), (ms.int32, ms.int64),
+    (ms.float16, ms.float32),
+    (ms.bfloat16, ms.float32),
+    (ms.float16, ms.float64),
+    (ms.bfloat16, ms.float64),
+    (ms.float32, ms.float64),
+    (ms.int8, ms.int16),
+    (ms.int8, ms.int32),
+    (ms.int8, ms.int64),
+    (ms.int16, ms.int32),
+    (ms.int16, ms.int64),
+    (ms.int32, ms.int64),
 }
 
 
@@ -194,11 +201,12 @@ def _taken_with_its_own_shape(shape, target) -> bool:
     to set_data the tensor as it is, so the parameter ends with the file's
     shape. Raises numpy's ValueError where that reshape fails."""
     shape, target = tuple(shape), tuple(target)
-    if len(shape) <= len(target) or any(d != 1 for d in shape[len(target):]):
+    if len(shape) <= len(target) or any(d != 1 for d in shape[len(target) :]):
         return False
     if math.prod(shape) != math.prod(target):
-        raise ValueError(f"cannot reshape array of size {math.prod(shape)} into shape "
-                         f"({','.join(map(str, target))})")  # numpy's words
+        raise ValueError(
+            f"cannot reshape array of size {math.prod(shape)} into shape ({','.join(map(str, target))})"
+        )  # numpy's words
     return True
 
 

@@ -1,10 +1,8 @@
 """Casting while reading: a load that changes dtype (an fp32 file loaded as
 bf16) reads the tensors it casts through one small staging buffer, reused,
-and casts each part straight into memory of the final dtype. The file's
-dtype never gets memory of its own: on a VM where fresh memory costs about
-2 s/GB on first touch, a 2 GB fp32 file loaded as bf16 touches 1 GB, not 3.
-The final memory is faulted in with the GIL released (`fill`), so that cost
-runs beside the model's construction instead of inside a GIL-holding cast.
+and casts each part straight into memory of the final dtype, which alone is
+touched (a 2 GB fp32 file loaded as bf16 touches 1 GB, not 3), faulted in
+with the GIL released so that it runs beside the model's construction.
 
 The target dtype is a guess made before the model exists: the dtype the
 caller passed to from_pretrained (`CastPlan`). What the guess does not fit
@@ -38,8 +36,10 @@ from .safetensors_header import CheckpointError, checkpoint_os_error, read_heade
 from .threaded_read import ReadPlan, as_plan, data_buffer, read_into, read_threads, run_in_threads
 
 NAME = "cast-on-read"
-DESCRIPTION = ("a load asked for another dtype reads the tensors it casts through a reused staging buffer into "
-               "their final dtype's memory (numpy's cast, probed against Tensor.set_dtype)")
+DESCRIPTION = (
+    "a load asked for another dtype reads the tensors it casts through a reused staging buffer into "
+    "their final dtype's memory (numpy's cast, probed against Tensor.set_dtype)"
+)
 # Staging per reading thread; parts of this size keep the GIL-holding casts short.
 STAGING_BYTES = 32 << 20
 _ALIGN = 64
@@ -76,7 +76,8 @@ def cast_into(out: np.ndarray, source: np.ndarray, nan_bits=None) -> None:
             nan = np.isnan(source)
             if nan.any():
                 out.view(np.dtype(f"u{out.dtype.itemsize}"))[nan] = np.where(
-                    np.signbit(source[nan]), nan_bits[1], nan_bits[0])
+                    np.signbit(source[nan]), nan_bits[1], nan_bits[0]
+                )
 
 
 def _rounding_classes(itemsize: int) -> np.ndarray:
@@ -132,7 +133,7 @@ def _probe(source: np.dtype, target):
         def differing(nan_bits):
             actual = np.empty(values.shape, dtype=target_np)
             for lo in range(0, len(values), 1 << 20):  # in parts, as reads cast them
-                cast_into(actual[lo:lo + (1 << 20)], values[lo:lo + (1 << 20)], nan_bits)
+                cast_into(actual[lo : lo + (1 << 20)], values[lo : lo + (1 << 20)], nan_bits)
             got = actual.view(unsigned)
             return np.flatnonzero(want != got), got
 
@@ -144,8 +145,10 @@ def _probe(source: np.dtype, target):
                 differ, got = differing(nan_bits)
         if differ.size:
             first = differ[0]
-            return (f"{differ.size} of {values.size} values differ from Tensor.set_dtype, e.g. source bits "
-                    f"{int(bits[first]):#x}: {int(want[first]):#x} vs {int(got[first]):#x}"), None
+            return (
+                f"{differ.size} of {values.size} values differ from Tensor.set_dtype, e.g. source bits "
+                f"{int(bits[first]):#x}: {int(want[first]):#x} vs {int(got[first]):#x}"
+            ), None
     except Exception as exc:  # an internal the cast relies on changed
         return f"{type(exc).__name__}: {exc}", None
     return None, nan_bits
@@ -186,8 +189,11 @@ def technique_status() -> dict:
                 pair += f" (NaNs as set_dtype makes them: {nan_bits[0]:#x} / {nan_bits[1]:#x})"
             (passed.append(pair) if problem is None else failed.append(f"{pair}: {problem}"))
     row["description"] += "; for " + (", ".join(passed) or "no dtype pair")
-    return {**row, "state": verdict.ACTIVE if passed else verdict.SKIPPED,
-            "reason": ("left to Tensor.set_dtype: " + "; ".join(failed)) if failed else ""}
+    return {
+        **row,
+        "state": verdict.ACTIVE if passed else verdict.SKIPPED,
+        "reason": ("left to Tensor.set_dtype: " + "; ".join(failed)) if failed else "",
+    }
 
 
 class CastPlan:
@@ -262,8 +268,11 @@ class CastAtRead:
             with open(path, "rb") as f:
                 stat = os.fstat(f.fileno())
                 if (stat.st_size, stat.st_mtime_ns) != self.identity:
-                    raise CheckpointError(path, "the file changed during the load (size or modification time): "
-                                          "is another process writing it?", key=self.name)
+                    raise CheckpointError(
+                        path,
+                        "the file changed during the load (size or modification time): is another process writing it?",
+                        key=self.name,
+                    )
                 header = read_header_from(f, path)
                 dtype, shape, begin, end = header.entries[self.name]
                 array = np.empty(end - begin, dtype=np.uint8)
@@ -274,8 +283,9 @@ class CastAtRead:
         except OSError as exc:
             raise checkpoint_os_error(path, exc) from exc
         if got != end - begin:
-            raise CheckpointError(path, f"read {got} of {end - begin} bytes: the file changed or is truncated",
-                                  key=self.name)
+            raise CheckpointError(
+                path, f"read {got} of {end - begin} bytes: the file changed or is truncated", key=self.name
+            )
         return array.view(dtype).reshape(shape)
 
 
@@ -343,9 +353,13 @@ def _fault_in(buffer: np.ndarray, threads: int, stop) -> None:
     if not len(buffer):
         return
     step = -(-len(buffer) // max(1, threads) // _ALIGN) * _ALIGN
-    parts = [buffer[lo:lo + step] for lo in range(0, len(buffer), step)]
-    run_in_threads([lambda part=part: part.fill(0) for part in parts], "ms_loadpatch-fault-in",
-                   stop or threading.Event(), "faulting in cast memory")
+    parts = [buffer[lo : lo + step] for lo in range(0, len(buffer), step)]
+    run_in_threads(
+        [lambda part=part: part.fill(0) for part in parts],
+        "ms_loadpatch-fault-in",
+        stop or threading.Event(),
+        "faulting in cast memory",
+    )
 
 
 def read_cast(path, plan: CastPlan, threads: ReadPlan | int | None = None, stop=None, staging: Staging | None = None):
@@ -360,14 +374,19 @@ def read_cast(path, plan: CastPlan, threads: ReadPlan | int | None = None, stop=
         kept_ranges = _merged([header.entries[name][2:] for name in kept])
         kept_offsets, kept_total = _offsets([end - begin for begin, end in kept_ranges])
         out_item = plan.target_numpy.itemsize
-        run_offsets, out_total = _offsets([(end - begin) // dtype.itemsize * out_item
-                                           for dtype, begin, end, _ in runs])
+        run_offsets, out_total = _offsets([(end - begin) // dtype.itemsize * out_item for dtype, begin, end, _ in runs])
         kept_buffer, out = data_buffer(path, kept_total), data_buffer(path, out_total)
         _fault_in(out, min(threads.threads, read_threads()), stop)  # faults take cores, not waits
         fd, short = f.fileno(), None
         for (begin, end), offset in zip(kept_ranges, kept_offsets):
-            got = read_into(fd, kept_buffer[offset:offset + end - begin], header.data_start + begin, threads,
-                            stop, f"the read of {os.fspath(path)}")
+            got = read_into(
+                fd,
+                kept_buffer[offset : offset + end - begin],
+                header.data_start + begin,
+                threads,
+                stop,
+                f"the read of {os.fspath(path)}",
+            )
             if got != end - begin:
                 short = (begin + got, end)
                 break
@@ -375,22 +394,24 @@ def read_cast(path, plan: CastPlan, threads: ReadPlan | int | None = None, stop=
             if short is not None:
                 break
             count, nan_bits = (end - begin) // dtype.itemsize, plan.nan_bits(dtype)
-            target = out[offset:offset + count * out_item].view(plan.target_numpy)
+            target = out[offset : offset + count * out_item].view(plan.target_numpy)
             part = max(dtype.itemsize, STAGING_BYTES // _ALIGN * _ALIGN)
             for lo in range(0, end - begin, part):
                 n = min(part, end - begin - lo)
                 buffer = staging.get(n)
-                got = read_into(fd, buffer, header.data_start + begin + lo, threads, stop,
-                                f"the read of {os.fspath(path)}")
+                got = read_into(
+                    fd, buffer, header.data_start + begin + lo, threads, stop, f"the read of {os.fspath(path)}"
+                )
                 if got != n:
                     short = (begin + lo + got, end)
                     break
                 first = lo // dtype.itemsize
-                cast_into(target[first:first + n // dtype.itemsize], buffer.view(dtype), nan_bits)
+                cast_into(target[first : first + n // dtype.itemsize], buffer.view(dtype), nan_bits)
         if short is not None:
             data_len = max((end for _, _, _, end in header.entries.values()), default=0)
-            raise CheckpointError(path, f"the data ends at byte {short[0]} of {data_len}: the file changed or is "
-                                  "truncated")
+            raise CheckpointError(
+                path, f"the data ends at byte {short[0]} of {data_len}: the file changed or is truncated"
+            )
     where = {}
     for (dtype, begin, _end, names), offset in zip(runs, run_offsets):
         for name in names:

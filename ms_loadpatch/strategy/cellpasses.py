@@ -29,8 +29,10 @@ import threading
 from . import randomstate, switch, verdict
 
 NAME = "cell-passes"
-DESCRIPTION = ("the per-cell passes after a transformers build (the init flag, tie_weights' hasattr, "
-               "set_train's flags) without nn.Cell.__getattr__'s raised miss or __setattr__'s dispatch")
+DESCRIPTION = (
+    "the per-cell passes after a transformers build (the init flag, tie_weights' hasattr, "
+    "set_train's flags) without nn.Cell.__getattr__'s raised miss or __setattr__'s dispatch"
+)
 
 # Where nn.Cell.__getattr__ looks a name up that normal lookup missed.
 GETATTR_DICTS = ("_params", "_buffers", "_cells", "_params_list")
@@ -40,18 +42,48 @@ SETATTR_DICTS = ("_params", "_cells", "_buffers")
 NAMES = ("_func_graph_flags", "_is_hf_initialized", "_tie_weights", "training")
 # nn.Cell methods each pass reproduces: a class overriding one takes mindspore's path for it.
 LOOKUP_METHODS = ("__getattr__", "__setattr__")
-TRAIN_METHODS = LOOKUP_METHODS + ("add_flags", "add_flags_recursive", "cells", "name_cells",
-                                  "_add_mixed_precision_flag")
+TRAIN_METHODS = LOOKUP_METHODS + (
+    "add_flags",
+    "add_flags_recursive",
+    "cells",
+    "name_cells",
+    "_add_mixed_precision_flag",
+)
 
 # The global names each reproduced method may use (anything else is a side effect not reproduced).
 KNOWN_NAMES = {
     "__getattr__": {"__dict__", "AttributeError", "format", "type", "__name__"},
-    "__setattr__": {"isinstance", "Parameter", "ParameterTuple", "_set_attr_for_param_or_param_tuple",
-                    "_is_parameter_list_or_tuple", "_set_attr_for_parameter_in_list_or_tuple", "Cell",
-                    "_set_attr_for_cell", "_Buffer", "__dict__", "register_buffer", "Primitive",
-                    "set_prim_instance_name", "_primitives", "object", "__setattr__", "_set_attr_for_object"},
-    "_set_attr_for_object": {"__dict__", "get", "isinstance", "Tensor", "set_data", "TypeError", "type", "__name__",
-                             "object", "__setattr__"},
+    "__setattr__": {
+        "isinstance",
+        "Parameter",
+        "ParameterTuple",
+        "_set_attr_for_param_or_param_tuple",
+        "_is_parameter_list_or_tuple",
+        "_set_attr_for_parameter_in_list_or_tuple",
+        "Cell",
+        "_set_attr_for_cell",
+        "_Buffer",
+        "__dict__",
+        "register_buffer",
+        "Primitive",
+        "set_prim_instance_name",
+        "_primitives",
+        "object",
+        "__setattr__",
+        "_set_attr_for_object",
+    },
+    "_set_attr_for_object": {
+        "__dict__",
+        "get",
+        "isinstance",
+        "Tensor",
+        "set_data",
+        "TypeError",
+        "type",
+        "__name__",
+        "object",
+        "__setattr__",
+    },
     "set_train": {"_phase", "add_flags_recursive"},
     "add_flags_recursive": {"add_flags", "cells", "add_flags_recursive"},
     "add_flags": {"hasattr", "_func_graph_flags", "update", "__dict__", "_add_mixed_precision_flag"},
@@ -85,9 +117,11 @@ def _is_plain(cls, methods, names) -> bool:
         from mindspore import nn
 
         own = vars(nn.Cell)
-        plain = (cls.__getattribute__ is object.__getattribute__
-                 and all(getattr(cls, method, None) is own.get(method) for method in methods)
-                 and not any(name in vars(klass) for klass in cls.__mro__ for name in names))
+        plain = (
+            cls.__getattribute__ is object.__getattribute__
+            and all(getattr(cls, method, None) is own.get(method) for method in methods)
+            and not any(name in vars(klass) for klass in cls.__mro__ for name in names)
+        )
         _plain[key] = plain
     return plain
 
@@ -283,5 +317,6 @@ def technique_status() -> dict:
     """status()'s row; runs the probe."""
     if switched_off():
         return verdict.row_off(NAME, ["transformers"], DESCRIPTION)
-    return verdict.row(NAME, ["transformers"], DESCRIPTION, probe(),
-                       passed="probe passed: twin trees answer and end up alike")
+    return verdict.row(
+        NAME, ["transformers"], DESCRIPTION, probe(), passed="probe passed: twin trees answer and end up alike"
+    )

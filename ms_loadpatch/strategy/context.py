@@ -94,12 +94,13 @@ class LoadReport:
         )
 
     def _draws_text(self) -> str:
-        if not (self.draws_taken or self.initializers_run_in_full or self.filled_in_init_pass
-                or self.writes_deferred):
+        if not (self.draws_taken or self.initializers_run_in_full or self.filled_in_init_pass or self.writes_deferred):
             return ""
-        return (f", {self.draws_taken} random draws taken for lazy parameters ({self.initializers_run_in_full} "
-                f"initializers run in full, {self.filled_in_init_pass} parameters filled in the init pass, "
-                f"{self.writes_deferred} in-place writes deferred, {self.init_calls_replayed} of its calls replayed)")
+        return (
+            f", {self.draws_taken} random draws taken for lazy parameters ({self.initializers_run_in_full} "
+            f"initializers run in full, {self.filled_in_init_pass} parameters filled in the init pass, "
+            f"{self.writes_deferred} in-place writes deferred, {self.init_calls_replayed} of its calls replayed)"
+        )
 
     def read_seconds(self) -> float:
         """Seconds in which some checkpoint file was being read (reads overlap

@@ -111,8 +111,14 @@ def _mincore():
     if _libc is None:
         _libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
         _libc.mmap.restype = ctypes.c_void_p
-        _libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int,
-                               ctypes.c_long]
+        _libc.mmap.argtypes = [
+            ctypes.c_void_p,
+            ctypes.c_size_t,
+            ctypes.c_int,
+            ctypes.c_int,
+            ctypes.c_int,
+            ctypes.c_long,
+        ]
         _libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
         _libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p]
     return _libc

@@ -23,8 +23,15 @@ from .ranks import node_share
 from .castread import Staging, read_cast
 from .reader import read_arrays
 from .threaded_read import (
-    SLOW_STREAM_BYTES_PER_S, ReadPlan, ReadStopped, as_plan, background_read_threads, cold_read_plan, first_read_rate,
-    join_or_leave, read_threads,
+    SLOW_STREAM_BYTES_PER_S,
+    ReadPlan,
+    ReadStopped,
+    as_plan,
+    background_read_threads,
+    cold_read_plan,
+    first_read_rate,
+    join_or_leave,
+    read_threads,
 )
 
 
@@ -178,8 +185,9 @@ class Prefetcher:
             try:
                 # a single file is all the load waits for: its read gets every thread from the start
                 threads = background_read_threads() if self._caller_busy and len(self._paths) > 1 else None
-                pending.value, pending.read = timed_read(path, self._cast_plan, threads, self._stop, staging,
-                                                         self.progress)
+                pending.value, pending.read = timed_read(
+                    path, self._cast_plan, threads, self._stop, staging, self.progress
+                )
             except BaseException as exc:  # noqa: BLE001 - raised in the caller by take()
                 pending.error = exc
             finally:
@@ -229,8 +237,11 @@ class Prefetcher:
         with self._queue_lock:
             self._pending.clear()
             self._queue.clear()
-        join_or_leave(self._threads, self._stop, "reading ahead " + ", ".join(self._paths[:3]) +
-                      (" ..." if len(self._paths) > 3 else ""))
+        join_or_leave(
+            self._threads,
+            self._stop,
+            "reading ahead " + ", ".join(self._paths[:3]) + (" ..." if len(self._paths) > 3 else ""),
+        )
 
 
 class CheckpointFiles(list):
@@ -257,8 +268,10 @@ def local_checkpoint_files(candidates) -> CheckpointFiles:
             with open(path) as f:
                 weight_map = json.load(f)["weight_map"]
             shards = set(weight_map.values())
-            return CheckpointFiles([os.path.normpath(os.path.join(os.path.dirname(path), name))
-                                    for name in sorted(shards)], len(weight_map))
+            return CheckpointFiles(
+                [os.path.normpath(os.path.join(os.path.dirname(path), name)) for name in sorted(shards)],
+                len(weight_map),
+            )
         except (OSError, ValueError, KeyError, TypeError, AttributeError):
             return CheckpointFiles()
     return CheckpointFiles()
@@ -310,7 +323,8 @@ def take_or_read(ctx, path):
     taken = prefetcher.take(os.path.normpath(os.fspath(path)), reads) if prefetcher is not None else None
     if taken is not None:
         return taken
-    result, read = timed_read(path, ctx.state.cast_plan,
-                              progress=prefetcher.progress if prefetcher is not None else None)
+    result, read = timed_read(
+        path, ctx.state.cast_plan, progress=prefetcher.progress if prefetcher is not None else None
+    )
     reads.append(read)
     return result

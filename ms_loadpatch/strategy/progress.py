@@ -65,8 +65,10 @@ class ReadProgress:
     def line(self) -> str:
         seconds = max(time.monotonic() - self._started, 1e-9)
         scale, unit = (1e9, "GB") if self.total >= 1e9 else (1e6, "MB")
-        return (f"ms_loadpatch: read {self._read / scale:.2f} of {self.total / scale:.2f} {unit} "
-                f"({self._read / seconds / 1e6:.0f} MB/s)")
+        return (
+            f"ms_loadpatch: read {self._read / scale:.2f} of {self.total / scale:.2f} {unit} "
+            f"({self._read / seconds / 1e6:.0f} MB/s)"
+        )
 
     def _draw(self, end: str = "") -> None:
         try:

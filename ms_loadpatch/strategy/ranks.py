@@ -116,4 +116,3 @@ def node_share() -> NodeShare:
 
 
 __all__ = ["LOCAL_RANKS_ENV_VAR", "NodeShare", "available_cores", "node_share"]
-

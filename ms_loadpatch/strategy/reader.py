@@ -29,8 +29,9 @@ from .threaded_read import ReadPlan, data_buffer, read_into, read_parts
 DIRECT_ALIGN = 4096
 
 
-def read_arrays(path, threads: ReadPlan | int | None = None, stop=None,
-                separate: bool = False) -> tuple[dict[str, np.ndarray], dict | None]:
+def read_arrays(
+    path, threads: ReadPlan | int | None = None, stop=None, separate: bool = False
+) -> tuple[dict[str, np.ndarray], dict | None]:
     """All tensors of one file as numpy views of one owned buffer, in file
     order (`separate`: each in a buffer of its own, so a tensor nobody keeps
     frees its memory); `threads` for the data read (default read_threads());
@@ -50,8 +51,11 @@ def read_arrays(path, threads: ReadPlan | int | None = None, stop=None,
             buffer = _read_direct(path, f.fileno(), header.data_start, data_len, threads, stop)
         if buffer is None:
             buffer = data_buffer(path, data_len)
-            got = read_into(f.fileno(), buffer, header.data_start, threads, stop,
-                            f"the read of {os.fspath(path)}") if data_len else 0
+            got = (
+                read_into(f.fileno(), buffer, header.data_start, threads, stop, f"the read of {os.fspath(path)}")
+                if data_len
+                else 0
+            )
             if got != data_len:
                 raise CheckpointError(path, f"read {got} of {data_len} data bytes: the file changed or is truncated")
     arrays = {}
@@ -79,18 +83,20 @@ def _read_direct(path, fd: int, data_start: int, data_len: int, plan: ReadPlan, 
         span = -(-(shift + data_len) // DIRECT_ALIGN) * DIRECT_ALIGN
         raw = data_buffer(path, span + DIRECT_ALIGN)
         pad = -raw.ctypes.data % DIRECT_ALIGN
-        aligned = raw[pad:pad + span]
+        aligned = raw[pad : pad + span]
         try:
-            got = read_into(fd, aligned, first, dataclasses.replace(plan, direct=False), stop,
-                            f"the read of {os.fspath(path)}")
+            got = read_into(
+                fd, aligned, first, dataclasses.replace(plan, direct=False), stop, f"the read of {os.fspath(path)}"
+            )
         except OSError as exc:
             if exc.errno == errno.EINVAL:  # accepted the flag, refused the read
                 return None
             raise
         if got < shift + data_len:
-            raise CheckpointError(path, f"read {max(0, got - shift)} of {data_len} data bytes: the file changed or "
-                                        "is truncated")
-        return aligned[shift:shift + data_len]
+            raise CheckpointError(
+                path, f"read {max(0, got - shift)} of {data_len} data bytes: the file changed or is truncated"
+            )
+        return aligned[shift : shift + data_len]
     finally:
         fcntl.fcntl(fd, fcntl.F_SETFL, flags)
 
@@ -98,15 +104,21 @@ def _read_direct(path, fd: int, data_start: int, data_len: int, plan: ReadPlan, 
 def _read_separately(path, threads, stop):
     with unchanged_file(path) as (f, header, _identity):
         buffers = {name: data_buffer(path, end - begin) for name, (_, _, begin, end) in header.entries.items()}
-        counts = read_parts(f.fileno(), [(buffers[name], header.data_start + begin)
-                                         for name, (_, _, begin, _) in header.entries.items()],
-                            threads, stop, f"the read of {os.fspath(path)}")
+        counts = read_parts(
+            f.fileno(),
+            [(buffers[name], header.data_start + begin) for name, (_, _, begin, _) in header.entries.items()],
+            threads,
+            stop,
+            f"the read of {os.fspath(path)}",
+        )
         for (name, (_, _, begin, end)), count in zip(header.entries.items(), counts):
             if count != end - begin:
-                raise CheckpointError(path, f"read {count} of {end - begin} bytes of tensor {name!r}: "
-                                            "the file changed or is truncated")
-    return {name: _shaped(path, name, buffers[name], dtype, shape)
-            for name, (dtype, shape, _, _) in header.entries.items()}, header.metadata
+                raise CheckpointError(
+                    path, f"read {count} of {end - begin} bytes of tensor {name!r}: the file changed or is truncated"
+                )
+    return {
+        name: _shaped(path, name, buffers[name], dtype, shape) for name, (dtype, shape, _, _) in header.entries.items()
+    }, header.metadata
 
 
 def _shaped(path, name, data, dtype, shape):

@@ -171,7 +171,9 @@ def _check_str(path, text: str, key) -> None:
     try:
         text.encode("utf-8")
     except UnicodeEncodeError:
-        raise CheckpointError(path, "the header has a lone surrogate \\u escape (not valid JSON text)", key=key) from None
+        raise CheckpointError(
+            path, "the header has a lone surrogate \\u escape (not valid JSON text)", key=key
+        ) from None
 
 
 def _tensor_entry(path, name, info, dtypes, check_strings: bool):
@@ -205,9 +207,7 @@ def _tensor_entry(path, name, info, dtypes, check_strings: bool):
         raise CheckpointError(path, f"unknown dtype {_short(dtype_name)}", key=name)
     if not (type(shape) is list and all(type(d) is int and 0 <= d < _U64 for d in shape)):
         raise CheckpointError(path, f"invalid shape {_short(shape)}", key=name)
-    if not (
-        type(offsets) is list and len(offsets) == 2 and all(type(o) is int and 0 <= o < _U64 for o in offsets)
-    ):
+    if not (type(offsets) is list and len(offsets) == 2 and all(type(o) is int and 0 <= o < _U64 for o in offsets)):
         raise CheckpointError(path, f"invalid data_offsets {_short(offsets)}", key=name)
     return dtype_name, shape, offsets
 
@@ -271,7 +271,8 @@ def parse_header(path, file_size: int, head: bytes) -> SafetensorsHeader:
     for begin, end, name in sorted((offsets[0], offsets[1], name) for name, (_, _, offsets) in described.items()):
         if end > data_len:
             raise CheckpointError(
-                path, f"data_offsets {[begin, end]} point past the end of the data ({data_len} bytes): truncated?",
+                path,
+                f"data_offsets {[begin, end]} point past the end of the data ({data_len} bytes): truncated?",
                 key=name,
             )
         if begin != position or end < begin:
@@ -424,8 +425,9 @@ def unchanged_file(path):
             after = os.fstat(f.fileno())
     if (after.st_size, after.st_mtime_ns) != (before.st_size, before.st_mtime_ns):
         raise CheckpointError(
-            path, f"the file changed while it was read (size {before.st_size} -> {after.st_size} bytes, "
-            "modification time changed): is another process writing it?"
+            path,
+            f"the file changed while it was read (size {before.st_size} -> {after.st_size} bytes, "
+            "modification time changed): is another process writing it?",
         )
 
 
@@ -435,7 +437,8 @@ def checkpoint_os_error(path, exc: OSError) -> OSError:
     if isinstance(exc, FileNotFoundError):
         return CheckpointNotFoundError(path, "the file does not exist")
     reason = exc.strerror or str(exc) or type(exc).__name__
-    error = CheckpointError(path, f"{reason} (errno {errno.errorcode.get(exc.errno, exc.errno)})"
-                            if exc.errno else reason)
+    error = CheckpointError(
+        path, f"{reason} (errno {errno.errorcode.get(exc.errno, exc.errno)})" if exc.errno else reason
+    )
     error.errno, error.strerror = exc.errno, exc.strerror
     return error

@@ -79,8 +79,9 @@ def cold_read_plan(share: NodeShare | None = None, threads: int | None = None) -
     direct = page_cache.policy() == page_cache.DROP and share.local_ranks == 1 and hasattr(os, "O_DIRECT")
     if threads is not None:
         return ReadPlan(threads, cold=True, direct=direct)
-    return ReadPlan(share.divide(env_int(COLD_READ_THREADS_ENV_VAR) or COLD_READ_THREADS), COLD_SPLIT_FROM,
-                    cold=True, direct=direct)
+    return ReadPlan(
+        share.divide(env_int(COLD_READ_THREADS_ENV_VAR) or COLD_READ_THREADS), COLD_SPLIT_FROM, cold=True, direct=direct
+    )
 
 
 # One stream slower than this is storage-bound (a delay per request, a cap
@@ -174,7 +175,9 @@ def join_or_leave(threads, stop, what: str, grace: float | None = None) -> None:
     if alive:
         logger.warning(
             "ms_loadpatch: %s did not stop within %.1f s (storage not answering?); %s left to end in the background",
-            what, STOP_GRACE_SECONDS if grace is None else grace, ", ".join(alive),
+            what,
+            STOP_GRACE_SECONDS if grace is None else grace,
+            ", ".join(alive),
         )
 
 
@@ -214,8 +217,9 @@ def run_in_threads(calls, name: str, stop, what: str) -> list:
     return results
 
 
-def read_into(fd: int, buffer: np.ndarray, offset: int, threads: ReadPlan | int | None = None, stop=None,
-              what="a read") -> int:
+def read_into(
+    fd: int, buffer: np.ndarray, offset: int, threads: ReadPlan | int | None = None, stop=None, what="a read"
+) -> int:
     """Read len(buffer) bytes of `fd` from `offset` into `buffer`, split
     across threads (read_parts) for large reads (`threads`: a ReadPlan or a
     thread count); the count read. `stop` (an Event) ends it early with

@@ -108,15 +108,16 @@ def prime_memory(nbytes: int) -> None:
     if nbytes <= 0:
         return
     if not _reset_peak_rss():
-        raise UsageError("--memory primed needs /proc/self/clear_refs (Linux) to keep priming out of peak RSS; "
-                         "use --memory as-is")
+        raise UsageError(
+            "--memory primed needs /proc/self/clear_refs (Linux) to keep priming out of peak RSS; use --memory as-is"
+        )
     from concurrent.futures import ThreadPoolExecutor
 
     from ..strategy.threaded_read import read_threads
 
     buffer = np.empty(nbytes, dtype=np.uint8)
     step = -(-nbytes // read_threads())
-    pages = [buffer[lo:lo + step:4096] for lo in range(0, nbytes, step)]
+    pages = [buffer[lo : lo + step : 4096] for lo in range(0, nbytes, step)]
     with ThreadPoolExecutor(max_workers=len(pages)) as pool:  # faults run in parallel (no GIL)
         list(pool.map(lambda view: view.fill(1), pages))
     del pages, buffer
@@ -163,8 +164,9 @@ def _task_load(task: dict) -> dict:
         rss_before = _max_rss_bytes()
         start = time.perf_counter()
         if spec.single_file:  # mindone.diffusers' from_single_file, its config from the model's directory
-            model = cls.from_single_file(os.path.join(spec.model_dir, spec.single_file), config=spec.model_dir,
-                                         **kwargs)
+            model = cls.from_single_file(
+                os.path.join(spec.model_dir, spec.single_file), config=spec.model_dir, **kwargs
+            )
         else:
             model = cls.from_pretrained(spec.path, **kwargs)
         touch_all(model)
@@ -186,7 +188,8 @@ def _task_load(task: dict) -> dict:
     }
     named_buffers = getattr(model, "named_buffers", None)
     result["tensors"] = len(list(model.parameters_and_names(expand=True))) + (
-        len(list(named_buffers())) if named_buffers is not None else 0)
+        len(list(named_buffers())) if named_buffers is not None else 0
+    )
     if task.get("snapshot"):
         from ..testing import snapshot
         from .verify import write_snapshot
@@ -248,8 +251,13 @@ def _task_floors(task: dict) -> dict:
             with no_init_parameters():
                 cls.from_config(config)
             construct_seconds = time.perf_counter() - start
-    return {"read_seconds": read_seconds, "read_bytes": total, "files": len(files),
-            "construct_seconds": construct_seconds, "cast_seconds": _cast_floor(files, spec.dtype, prime)}
+    return {
+        "read_seconds": read_seconds,
+        "read_bytes": total,
+        "files": len(files),
+        "construct_seconds": construct_seconds,
+        "cast_seconds": _cast_floor(files, spec.dtype, prime),
+    }
 
 
 def _cast_floor(files, dtype_name, prime_bytes: int = 0) -> float:

@@ -23,8 +23,23 @@ import statistics
 import sys
 
 from .children import (  # noqa: F401 - the harness's API for scripts: bench.X
-    CACHE_ENV_VAR, FALLBACK_NOTE, MEMORY_MODES, SIZES, ChildError, builtin_checkpoint, cache_dir, cached_checkpoint, child_env,
-    load_task, measure_floors, measure_load, measure_time_to_model, prime_bytes, run_child, summarize_time_to_model)
+    CACHE_ENV_VAR,
+    FALLBACK_NOTE,
+    MEMORY_MODES,
+    SIZES,
+    ChildError,
+    builtin_checkpoint,
+    cache_dir,
+    cached_checkpoint,
+    child_env,
+    load_task,
+    measure_floors,
+    measure_load,
+    measure_time_to_model,
+    prime_bytes,
+    run_child,
+    summarize_time_to_model,
+)
 from .spec import DTYPES, LoadSpec, UsageError, distribution_version  # noqa: F401
 from .steps import Progress, step_of  # noqa: F401
 
@@ -37,8 +52,16 @@ def _median_run(runs: list[dict]) -> dict:
     return ordered[(len(ordered) - 1) // 2]
 
 
-def run_bench(spec: LoadSpec, repeats: int = 3, floors: bool = True, progress: Progress | None = None,
-              timeout=None, memory: str = "primed", time_to_model: bool = True, cold: bool = False) -> dict:
+def run_bench(
+    spec: LoadSpec,
+    repeats: int = 3,
+    floors: bool = True,
+    progress: Progress | None = None,
+    timeout=None,
+    memory: str = "primed",
+    time_to_model: bool = True,
+    cold: bool = False,
+) -> dict:
     """Time unpatched vs patched from_pretrained (alternating, one fresh process
     per load), plus the floors, plus (time_to_model) a user's whole script in
     a fresh process per side; `cold`: the checkpoint's pages evicted before
@@ -62,8 +85,9 @@ def run_bench(spec: LoadSpec, repeats: int = 3, floors: bool = True, progress: P
         with step_of(progress, "floors: read every checkpoint byte, construct without init"):
             floor = measure_floors(spec, timeout=timeout, prime=prime)
     if cold:
-        with step_of(progress, "storage floors: read the files cold, sequentially and with "
-                             f"{cold_runs.PARALLEL_THREADS} threads"):
+        with step_of(
+            progress, f"storage floors: read the files cold, sequentially and with {cold_runs.PARALLEL_THREADS} threads"
+        ):
             storage = cold_runs.storage_floors(files)
         left_cached.append(storage["resident_after_evict"])
     ttm_runs = {"unpatched": [], "patched": []}
@@ -88,16 +112,23 @@ def run_bench(spec: LoadSpec, repeats: int = 3, floors: bool = True, progress: P
             "median_run": median_run,
         }
     if not sides["patched"]["median_run"].get("plugin_enabled"):
-        raise ChildError("the patched child could not enable ms_loadpatch: "
-                         + str(sides["patched"]["median_run"].get("plugin_refusal")))
+        raise ChildError(
+            "the patched child could not enable ms_loadpatch: "
+            + str(sides["patched"]["median_run"].get("plugin_refusal"))
+        )
     first = runs["patched"][0]
     patched_median = sides["patched"]["median_seconds"]
     return {
         "checkpoint": {
-            "path": spec.path, "subfolder": spec.subfolder, "single_file": spec.single_file,
+            "path": spec.path,
+            "subfolder": spec.subfolder,
+            "single_file": spec.single_file,
             "class_name": first["class_name"],
-            "library": first["library"], "dtype": spec.dtype, "files": len(spec.weight_files()),
-            "bytes": spec.checkpoint_bytes(), "tensors": first["tensors"],
+            "library": first["library"],
+            "dtype": spec.dtype,
+            "files": len(spec.weight_files()),
+            "bytes": spec.checkpoint_bytes(),
+            "tensors": first["tensors"],
         },
         "device": first["device"],
         "cpu_kernel_fallbacks": first["cpu_kernel_fallbacks"],
@@ -109,7 +140,9 @@ def run_bench(spec: LoadSpec, repeats: int = 3, floors: bool = True, progress: P
         "ratio": sides["unpatched"]["median_seconds"] / patched_median if patched_median > 0 else None,
         "floors": floor,
         "time_to_model": summarize_time_to_model(ttm_runs) if time_to_model else None,
-        "cold": None if not cold else {
+        "cold": None
+        if not cold
+        else {
             "storage_floors": storage,
             # the most of the checkpoint any eviction left cached (None: not measurable here)
             "resident_after_evict": max((x for x in left_cached if x is not None), default=None),
@@ -143,25 +176,42 @@ def format_table(results: dict, title: str | None = None) -> str:
         where += f", from_single_file of {ckpt['single_file']}"
     lines.append(title or f"ms-loadpatch bench: {ckpt['class_name']} (mindone.{ckpt['library']})")
     lines.append(f"  checkpoint  {where}")
-    lines.append(f"              {_mb(ckpt['bytes'])} in {ckpt['files']} file(s), {ckpt['tensors']} tensors, "
-                 f"dtype {ckpt['dtype'] or 'as from_pretrained defaults'}")
+    lines.append(
+        f"              {_mb(ckpt['bytes'])} in {ckpt['files']} file(s), {ckpt['tensors']} tensors, "
+        f"dtype {ckpt['dtype'] or 'as from_pretrained defaults'}"
+    )
     versions = ", ".join(f"{k} {v}" for k, v in results["versions"].items())
     fallback = FALLBACK_NOTE if results["cpu_kernel_fallbacks"] else ""
     lines.append(f"  device      {results['device']}{fallback}")
     lines.append(f"  versions    {versions}")
     call = "from_single_file" if ckpt.get("single_file") else "from_pretrained"
-    lines.append(f"  method      each load in a fresh process, median of {results['repeats']}; timed: "
-                 f"{call} + touching every weight")
+    lines.append(
+        f"  method      each load in a fresh process, median of {results['repeats']}; timed: "
+        f"{call} + touching every weight"
+    )
     memory = results.get("memory", "as-is")
-    lines.append(f"  memory      {memory}" + (": each process faults in and frees memory before every timed part, "
-                                              "so first-touch costs of the VM do not count" if memory == "primed" else
-                                              ": fresh memory as the machine gives it (first-touch costs count)"))
+    lines.append(
+        f"  memory      {memory}"
+        + (
+            ": each process faults in and frees memory before every timed part, "
+            "so first-touch costs of the VM do not count"
+            if memory == "primed"
+            else ": fresh memory as the machine gives it (first-touch costs count)"
+        )
+    )
     cold = results.get("cold")
     if cold:
         left = cold["resident_after_evict"]
-        lines.append("  cache       cold: the checkpoint's pages given back to the OS before each timed part"
-                     + (f" ({left:.0%} of its bytes stayed cached)" if left else
-                        " (none stayed cached)" if left == 0 else " (not measurable here: no mincore)"))
+        lines.append(
+            "  cache       cold: the checkpoint's pages given back to the OS before each timed part"
+            + (
+                f" ({left:.0%} of its bytes stayed cached)"
+                if left
+                else " (none stayed cached)"
+                if left == 0
+                else " (not measurable here: no mincore)"
+            )
+        )
     lines.append("")
     lines.append(f"  {'':24}{'unpatched':>12}{'patched':>12}")
     ratio = results["ratio"]
@@ -170,35 +220,44 @@ def format_table(results: dict, title: str | None = None) -> str:
         ratio_text = f"   {ratio:.1f}x faster" if ratio >= 1 else f"   {1 / ratio:.1f}x slower"
     lines.append(f"  {call:24}{_s(unp['median_seconds']):>12}{_s(pat['median_seconds']):>12}{ratio_text}")
     lines.append(f"  {'peak RSS':24}{_mb(max(unp['peak_rss_bytes'])):>12}{_mb(max(pat['peak_rss_bytes'])):>12}")
-    lines.append(f"  {'  of which before load':24}{_mb(min(unp['rss_before_bytes'])):>12}"
-                 f"{_mb(min(pat['rss_before_bytes'])):>12}   (interpreter + imports)")
+    lines.append(
+        f"  {'  of which before load':24}{_mb(min(unp['rss_before_bytes'])):>12}"
+        f"{_mb(min(pat['rss_before_bytes'])):>12}   (interpreter + imports)"
+    )
     if results["repeats"] > 1:
-        lines.append(f"  all runs (s): unpatched {' '.join(f'{x:.2f}' for x in unp['seconds'])}; "
-                     f"patched {' '.join(f'{x:.2f}' for x in pat['seconds'])}")
+        lines.append(
+            f"  all runs (s): unpatched {' '.join(f'{x:.2f}' for x in unp['seconds'])}; "
+            f"patched {' '.join(f'{x:.2f}' for x in pat['seconds'])}"
+        )
     storage = (cold or {}).get("storage_floors")
     if storage:
         size = ckpt["bytes"]
         parallel = storage["parallel_seconds"]
-        lines.append(f"  storage, cold: sequential read {_s(storage['sequential_seconds'])} "
-                     f"({size / 2**20 / storage['sequential_seconds']:,.0f} MB/s), "
-                     f"{storage['parallel_threads']} threads x {_mb(storage['request_bytes'])} requests "
-                     f"{_s(parallel)} ({size / 2**20 / parallel:,.0f} MB/s); "
-                     f"patched load = {pat['median_seconds'] / parallel:.2f}x of the parallel read")
+        lines.append(
+            f"  storage, cold: sequential read {_s(storage['sequential_seconds'])} "
+            f"({size / 2**20 / storage['sequential_seconds']:,.0f} MB/s), "
+            f"{storage['parallel_threads']} threads x {_mb(storage['request_bytes'])} requests "
+            f"{_s(parallel)} ({size / 2**20 / parallel:,.0f} MB/s); "
+            f"patched load = {pat['median_seconds'] / parallel:.2f}x of the parallel read"
+        )
     ttm = results.get("time_to_model")
     if ttm:
         lines.append("")
         lines.append("  time to model: a fresh process from interpreter start to the loaded, touched model")
         lazy = "lazy import" if ttm["patched"]["lazy_import"] else "eager import"
-        rows = (("interpreter start", "interpreter_seconds", "   patched: with the .pth hook, if installed"),
-                ("import mindspore", "import_mindspore_seconds", "   patched: after `import ms_loadpatch`"),
-                ("import the model class", "import_mindone_seconds", f"   from mindone (patched: {lazy})"),
-                (f"{call} + touch", "load_seconds", ""))
+        rows = (
+            ("interpreter start", "interpreter_seconds", "   patched: with the .pth hook, if installed"),
+            ("import mindspore", "import_mindspore_seconds", "   patched: after `import ms_loadpatch`"),
+            ("import the model class", "import_mindone_seconds", f"   from mindone (patched: {lazy})"),
+            (f"{call} + touch", "load_seconds", ""),
+        )
         for label, key, note in rows:
             lines.append(f"    {label:22}{_s(ttm['unpatched'][key]):>12}{_s(ttm['patched'][key]):>12}{note}")
         ratio = ttm["ratio"]
         ratio_text = f"   {ratio:.1f}x faster" if ratio >= 1 else f"   {1 / ratio:.1f}x slower"
-        lines.append(f"    {'total':22}{_s(ttm['unpatched']['seconds']):>12}{_s(ttm['patched']['seconds']):>12}"
-                     + ratio_text)
+        lines.append(
+            f"    {'total':22}{_s(ttm['unpatched']['seconds']):>12}{_s(ttm['patched']['seconds']):>12}" + ratio_text
+        )
     lines.append("")
     phases = dict(report.get("phases") or {})
     if phases:
@@ -219,19 +278,21 @@ def format_table(results: dict, title: str | None = None) -> str:
             lines.append(f"    {label:20}{_s(seconds):>10}{note}")
         other = pat["median_run"]["seconds"] - sum(phases.values())
         lines.append(f"    {'other':20}{_s(max(other, 0.0)):>10}   mindone's own bookkeeping, touching the weights")
-        lines.append(f"  tensors: {report.get('tensors_read')} read from {report.get('shards')} file(s) with "
-                     f"{report.get('read_workers')} worker(s) of up to {report.get('read_threads')} thread(s), "
-                     f"{report.get('tensors_assigned')} assigned, "
-                     f"{report.get('tensors_cast')} cast{_while_reading(report)}, "
-                     f"{report.get('missing_initialised')} parameters initialised "
-                     "for missing weights")
+        lines.append(
+            f"  tensors: {report.get('tensors_read')} read from {report.get('shards')} file(s) with "
+            f"{report.get('read_workers')} worker(s) of up to {report.get('read_threads')} thread(s), "
+            f"{report.get('tensors_assigned')} assigned, "
+            f"{report.get('tensors_cast')} cast{_while_reading(report)}, "
+            f"{report.get('missing_initialised')} parameters initialised "
+            "for missing weights"
+        )
         start = report.get("fast_construction_from")
-        lines.append(f"  technique: {report.get('technique')}"
-                     + (f", fast construction from cell {start}" if start is not None else
-                        " (cells built plainly)")
-                     + (f", {report['host_tensors']} factory tensors made on the host"
-                        if report.get("host_tensors") else "")
-                     + (", gc paused" if report.get("gc_paused") else ""))
+        lines.append(
+            f"  technique: {report.get('technique')}"
+            + (f", fast construction from cell {start}" if start is not None else " (cells built plainly)")
+            + (f", {report['host_tensors']} factory tensors made on the host" if report.get("host_tensors") else "")
+            + (", gc paused" if report.get("gc_paused") else "")
+        )
     else:
         lines.append("  patched load: no load report (mindone's own path ran, e.g. a class that overrides its loading)")
         for key, label in (("construct_seconds", "construct floor"), ("read_seconds", "read floor")):
@@ -248,8 +309,9 @@ def main(args) -> int:
     progress = Progress()
     try:
         if args.path:
-            spec = LoadSpec.resolve(args.path, args.class_name, args.subfolder, args.dtype,
-                                    getattr(args, "single_file", None))
+            spec = LoadSpec.resolve(
+                args.path, args.class_name, args.subfolder, args.dtype, getattr(args, "single_file", None)
+            )
             title = None
         else:
             if args.class_name or args.subfolder or getattr(args, "single_file", None):
@@ -257,8 +319,9 @@ def main(args) -> int:
             path = builtin_checkpoint(args.size, progress=progress)
             spec = LoadSpec.resolve(path, dtype=args.dtype)
             title = f"ms-loadpatch bench: built-in {args.size} checkpoint, {spec.class_name} (mindone.{spec.library})"
-        results = run_bench(spec, repeats=args.repeats, progress=progress, memory=args.memory,
-                            cold=getattr(args, "cold", False))
+        results = run_bench(
+            spec, repeats=args.repeats, progress=progress, memory=args.memory, cold=getattr(args, "cold", False)
+        )
     except UsageError as exc:
         print(f"ms-loadpatch bench: {exc}", file=sys.stderr)
         return 2

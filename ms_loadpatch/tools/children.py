@@ -20,8 +20,10 @@ from .steps import Progress, step_of
 
 CACHE_ENV_VAR = "MS_LOADPATCH_CACHE"
 # Said beside results of children that report cpu_kernel_fallbacks
-FALLBACK_NOTE = ("; testing.cpu_kernel_fallbacks() applied to both loads "
-                 "(kernels missing from mindspore's CPU wheel routed to equivalent ops)")
+FALLBACK_NOTE = (
+    "; testing.cpu_kernel_fallbacks() applied to both loads "
+    "(kernels missing from mindspore's CPU wheel routed to equivalent ops)"
+)
 _PACKAGE_PARENT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 # Built-in checkpoints (Qwen2ForCausalLM, fp32, random weights, generated
@@ -32,16 +34,24 @@ SIZES: dict[str, dict] = {
     "tiny": {
         "class_name": "Qwen2ForCausalLM",
         "config": {
-            "vocab_size": 128, "hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4,
-            "num_key_value_heads": 2, "intermediate_size": 64,
+            "vocab_size": 128,
+            "hidden_size": 32,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "intermediate_size": 64,
         },
         "max_shard_size": None,
     },
     "default": {
         "class_name": "Qwen2ForCausalLM",
         "config": {
-            "vocab_size": 16384, "hidden_size": 512, "num_hidden_layers": 12, "num_attention_heads": 8,
-            "num_key_value_heads": 2, "intermediate_size": 1536,
+            "vocab_size": 16384,
+            "hidden_size": 512,
+            "num_hidden_layers": 12,
+            "num_attention_heads": 8,
+            "num_key_value_heads": 2,
+            "intermediate_size": 1536,
         },
         "max_shard_size": "100MB",
     },
@@ -65,14 +75,29 @@ def cache_dir() -> str:
     return os.environ.get(CACHE_ENV_VAR) or os.path.join(os.path.expanduser("~"), ".cache", "ms_loadpatch")
 
 
-def cached_checkpoint(name: str, class_name: str, config: dict, max_shard_size=None, seed: int = 0,
-                      library: str = "transformers", progress: "Progress | None" = None) -> str:
+def cached_checkpoint(
+    name: str,
+    class_name: str,
+    config: dict,
+    max_shard_size=None,
+    seed: int = 0,
+    library: str = "transformers",
+    progress: "Progress | None" = None,
+) -> str:
     """A checkpoint of `class_name` (in mindone.`library`, or "module:Class")
     built from `config` (random weights, fixed seed; save_pretrained layout),
     generated in a child process on first use and kept in cache_dir().
     The directory name carries a hash of everything that shapes the files."""
-    key_data = {"class": class_name, "library": library, "config": config, "shard": max_shard_size, "seed": seed,
-                "mindone": distribution_version("mindone"), "mindspore": distribution_version("mindspore"), "format": 1}
+    key_data = {
+        "class": class_name,
+        "library": library,
+        "config": config,
+        "shard": max_shard_size,
+        "seed": seed,
+        "mindone": distribution_version("mindone"),
+        "mindspore": distribution_version("mindspore"),
+        "format": 1,
+    }
     key = hashlib.sha256(json.dumps(key_data, sort_keys=True).encode()).hexdigest()[:12]
     target = os.path.join(cache_dir(), f"{name}-{key}")
     if os.path.isfile(os.path.join(target, ".complete")):
@@ -80,8 +105,15 @@ def cached_checkpoint(name: str, class_name: str, config: dict, max_shard_size=N
     os.makedirs(cache_dir(), exist_ok=True)
     staging = tempfile.mkdtemp(prefix=f".{name}-{key}-", dir=cache_dir())
     try:
-        task = {"task": "generate", "class_name": class_name, "library": library, "config": config, "out": staging,
-                "max_shard_size": max_shard_size, "seed": seed}
+        task = {
+            "task": "generate",
+            "class_name": class_name,
+            "library": library,
+            "config": config,
+            "out": staging,
+            "max_shard_size": max_shard_size,
+            "seed": seed,
+        }
         with step_of(progress, f"generating checkpoint {name} (once; cached in {cache_dir()})"):
             run_child(task, mode="unpatched")
         with open(os.path.join(staging, ".complete"), "w") as f:
@@ -101,8 +133,9 @@ def builtin_checkpoint(size: str = "default", progress: "Progress | None" = None
     if size not in SIZES:
         raise UsageError(f"unknown size {size!r}; choose one of {', '.join(SIZES)}")
     entry = SIZES[size]
-    return cached_checkpoint(f"bench-{size}", entry["class_name"], entry["config"], entry["max_shard_size"],
-                             progress=progress)
+    return cached_checkpoint(
+        f"bench-{size}", entry["class_name"], entry["config"], entry["max_shard_size"], progress=progress
+    )
 
 
 # -- child processes
@@ -129,10 +162,18 @@ def run_child(task: dict, mode: str, timeout: float | None = None, env_extra: di
         with open(task_file, "w") as f:
             json.dump(task, f)
         # Appended, so an installed ms_loadpatch wins; makes a source checkout work too.
-        bootstrap = f"import sys; sys.path.append({_PACKAGE_PARENT!r}); from ms_loadpatch.tools._child import main; main()"
+        bootstrap = (
+            f"import sys; sys.path.append({_PACKAGE_PARENT!r}); from ms_loadpatch.tools._child import main; main()"
+        )
         try:
-            proc = subprocess.run([sys.executable, "-c", bootstrap, task_file], env={**child_env(mode), **(env_extra or {})},
-                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, timeout=timeout)
+            proc = subprocess.run(
+                [sys.executable, "-c", bootstrap, task_file],
+                env={**child_env(mode), **(env_extra or {})},
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+                timeout=timeout,
+            )
         except subprocess.TimeoutExpired as exc:
             raise ChildError(f"{task['task']} ({mode}) did not finish within {timeout} s") from exc
         result = {}
@@ -162,12 +203,24 @@ def prime_bytes(spec: LoadSpec, memory: str) -> int:
 def load_task(spec: LoadSpec, snapshot: str | None = None, prime: int = 0, barrier: dict | None = None) -> dict:
     """`barrier` ({"directory", "parties"}): the load starts when that many
     processes are ready (ranks of a job loading at the same moment)."""
-    return {"task": "load", "spec": dataclasses.asdict(spec), "snapshot": snapshot, "prime_bytes": prime,
-            "barrier": barrier}
+    return {
+        "task": "load",
+        "spec": dataclasses.asdict(spec),
+        "snapshot": snapshot,
+        "prime_bytes": prime,
+        "barrier": barrier,
+    }
 
 
-def measure_load(spec: LoadSpec, mode: str, snapshot: str | None = None, timeout=None, prime: int = 0,
-                 barrier: dict | None = None, env_extra: dict | None = None) -> dict:
+def measure_load(
+    spec: LoadSpec,
+    mode: str,
+    snapshot: str | None = None,
+    timeout=None,
+    prime: int = 0,
+    barrier: dict | None = None,
+    env_extra: dict | None = None,
+) -> dict:
     """One from_pretrained in a fresh process ("patched" or "unpatched"),
     timed up to the last weight touched. Keys: seconds, peak_rss_bytes,
     rss_before_bytes, report (patched: LoadReport.as_dict()), device, ..."""
@@ -240,8 +293,12 @@ def measure_time_to_model(spec: LoadSpec, mode: str, timeout=None, prime: int = 
     interpreter_seconds, import_mindspore_seconds (patched: with `import
     ms_loadpatch`), import_mindone_seconds (the model class), load_seconds."""
     with tempfile.TemporaryDirectory(prefix="ms-loadpatch-") as tmp:
-        task = {"spec": dataclasses.asdict(spec), "prime_bytes": prime, "package_parent": _PACKAGE_PARENT,
-                "result": os.path.join(tmp, "result.json")}
+        task = {
+            "spec": dataclasses.asdict(spec),
+            "prime_bytes": prime,
+            "package_parent": _PACKAGE_PARENT,
+            "result": os.path.join(tmp, "result.json"),
+        }
         if ":" not in spec.class_name:
             task["spec"]["library"] = spec.library or "transformers"
         task_file = os.path.join(tmp, "task.json")
@@ -249,9 +306,14 @@ def measure_time_to_model(spec: LoadSpec, mode: str, timeout=None, prime: int = 
             json.dump(task, f)
         spawned = time.time()
         try:
-            proc = subprocess.run([sys.executable, "-c", _TIME_TO_MODEL_SCRIPT, repr(spawned), mode, task_file],
-                                  env=child_env(mode), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                  timeout=timeout)
+            proc = subprocess.run(
+                [sys.executable, "-c", _TIME_TO_MODEL_SCRIPT, repr(spawned), mode, task_file],
+                env=child_env(mode),
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+                timeout=timeout,
+            )
         except subprocess.TimeoutExpired as exc:
             raise ChildError(f"time to model ({mode}) did not finish within {timeout} s") from exc
         if proc.returncode != 0 or not os.path.isfile(task["result"]):
@@ -263,8 +325,10 @@ def measure_time_to_model(spec: LoadSpec, mode: str, timeout=None, prime: int = 
 def summarize_time_to_model(runs: dict) -> dict:
     """Medians per side and part of {"unpatched": [...], "patched": [...]} runs."""
     parts = ("seconds", "interpreter_seconds", "import_mindspore_seconds", "import_mindone_seconds", "load_seconds")
-    out = {mode: {part: statistics.median(r[part] for r in mode_runs) for part in parts}
-           for mode, mode_runs in runs.items()}
+    out = {
+        mode: {part: statistics.median(r[part] for r in mode_runs) for part in parts}
+        for mode, mode_runs in runs.items()
+    }
     for mode, mode_runs in runs.items():
         out[mode]["all_seconds"] = [r["seconds"] for r in mode_runs]
         out[mode]["lazy_import"] = all(r["lazy_import"] for r in mode_runs)

@@ -60,8 +60,12 @@ def sequential_read(paths, block: int = SEQUENTIAL_BYTES) -> float:
 def parallel_read(paths, threads: int = PARALLEL_THREADS, request: int = REQUEST_BYTES) -> float:
     """Seconds to read every byte of `paths` with `threads` threads taking
     `request`-byte preads from one queue of all files' parts."""
-    parts = [(path, offset, min(request, size - offset))
-             for path in paths for size in (os.path.getsize(path),) for offset in range(0, size, request)]
+    parts = [
+        (path, offset, min(request, size - offset))
+        for path in paths
+        for size in (os.path.getsize(path),)
+        for offset in range(0, size, request)
+    ]
     fds = {path: os.open(path, os.O_RDONLY) for path in paths}
     lock, errors = threading.Lock(), []
     parts.reverse()
@@ -104,7 +108,7 @@ def _read_at(fd, view, offset) -> int:
     if hasattr(os, "preadv"):
         return os.preadv(fd, [view], offset)
     data = os.pread(fd, len(view), offset)
-    view[:len(data)] = data
+    view[: len(data)] = data
     return len(data)
 
 
@@ -115,6 +119,10 @@ def storage_floors(paths) -> dict:
     sequential = sequential_read(paths)
     left_parallel = evict(paths)
     parallel = parallel_read(paths)
-    return {"sequential_seconds": sequential, "parallel_seconds": parallel, "parallel_threads": PARALLEL_THREADS,
-            "request_bytes": REQUEST_BYTES,
-            "resident_after_evict": max((x for x in (left_sequential, left_parallel) if x is not None), default=None)}
+    return {
+        "sequential_seconds": sequential,
+        "parallel_seconds": parallel,
+        "parallel_threads": PARALLEL_THREADS,
+        "request_bytes": REQUEST_BYTES,
+        "resident_after_evict": max((x for x in (left_sequential, left_parallel) if x is not None), default=None),
+    }

@@ -7,14 +7,35 @@ from __future__ import annotations
 
 import re
 
-_RESNET = (("norm1", "in_layers.0"), ("conv1", "in_layers.2"), ("norm2", "out_layers.0"), ("conv2", "out_layers.3"),
-           ("time_emb_proj", "emb_layers.1"), ("conv_shortcut", "skip_connection"))
-_UNET_TOP = (("time_embedding.linear_1", "time_embed.0"), ("time_embedding.linear_2", "time_embed.2"),
-             ("conv_in", "input_blocks.0.0"), ("conv_norm_out", "out.0"), ("conv_out", "out.2"))
-_VAE = (("conv_norm_out", "norm_out"), ("mid_block.resnets.0", "mid.block_1"), ("mid_block.resnets.1", "mid.block_2"),
-        ("mid_block.attentions.0", "mid.attn_1"), ("conv_shortcut", "nin_shortcut"), ("group_norm", "norm"),
-        ("to_q", "q"), ("to_k", "k"), ("to_v", "v"), ("to_out.0", "proj_out"), ("downsamplers.0", "downsample"),
-        ("upsamplers.0", "upsample"))
+_RESNET = (
+    ("norm1", "in_layers.0"),
+    ("conv1", "in_layers.2"),
+    ("norm2", "out_layers.0"),
+    ("conv2", "out_layers.3"),
+    ("time_emb_proj", "emb_layers.1"),
+    ("conv_shortcut", "skip_connection"),
+)
+_UNET_TOP = (
+    ("time_embedding.linear_1", "time_embed.0"),
+    ("time_embedding.linear_2", "time_embed.2"),
+    ("conv_in", "input_blocks.0.0"),
+    ("conv_norm_out", "out.0"),
+    ("conv_out", "out.2"),
+)
+_VAE = (
+    ("conv_norm_out", "norm_out"),
+    ("mid_block.resnets.0", "mid.block_1"),
+    ("mid_block.resnets.1", "mid.block_2"),
+    ("mid_block.attentions.0", "mid.attn_1"),
+    ("conv_shortcut", "nin_shortcut"),
+    ("group_norm", "norm"),
+    ("to_q", "q"),
+    ("to_k", "k"),
+    ("to_v", "v"),
+    ("to_out.0", "proj_out"),
+    ("downsamplers.0", "downsample"),
+    ("upsamplers.0", "upsample"),
+)
 
 
 def unet_key(key: str, config: dict) -> str:
@@ -24,7 +45,7 @@ def unet_key(key: str, config: dict) -> str:
     up_has_attention = [kind.startswith("CrossAttn") for kind in config["up_block_types"]]
 
     def resnet(rest):
-        return next((new + rest[len(old):] for old, new in _RESNET if rest.startswith(old + ".")), rest)
+        return next((new + rest[len(old) :] for old, new in _RESNET if rest.startswith(old + ".")), rest)
 
     def part(kind, rest):
         return "0." + resnet(rest) if kind == "resnets" else "1." + rest
@@ -32,7 +53,7 @@ def unet_key(key: str, config: dict) -> str:
     prefix = "model.diffusion_model."
     for old, new in _UNET_TOP:
         if key.startswith(old + "."):
-            return f"{prefix}{new}{key[len(old):]}"
+            return f"{prefix}{new}{key[len(old) :]}"
     m = re.fullmatch(r"down_blocks\.(\d+)\.(resnets|attentions)\.(\d+)\.(.*)", key)
     if m:
         return f"{prefix}input_blocks.{(layers + 1) * int(m[1]) + int(m[3]) + 1}.{part(m[2], m[4])}"
@@ -60,9 +81,11 @@ def vae_key(key: str, up_blocks: int) -> str:
         key = key.replace(old, new)
     key = re.sub(r"down_blocks\.(\d+)\.resnets", r"down.\1.block", key)
     key = re.sub(r"down_blocks\.(\d+)\.downsample", r"down.\1.downsample", key)
-    return re.sub(r"up_blocks\.(\d+)\.(resnets|upsample)",
-                  lambda m: f"up.{up_blocks - 1 - int(m.group(1))}.{'block' if m.group(2) == 'resnets' else 'upsample'}",
-                  key)
+    return re.sub(
+        r"up_blocks\.(\d+)\.(resnets|upsample)",
+        lambda m: f"up.{up_blocks - 1 - int(m.group(1))}.{'block' if m.group(2) == 'resnets' else 'upsample'}",
+        key,
+    )
 
 
 def vae_value(key: str, value):

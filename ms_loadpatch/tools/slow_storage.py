@@ -79,8 +79,9 @@ class SlowStorage:
     """`source` served at `mountpoint` (a new temporary directory by default)
     with `settings`, for the time of a `with` block."""
 
-    def __init__(self, source, settings: StorageSettings = StorageSettings(), mountpoint=None,
-                 start_timeout: float = 20.0):
+    def __init__(
+        self, source, settings: StorageSettings = StorageSettings(), mountpoint=None, start_timeout: float = 20.0
+    ):
         self.source = os.path.abspath(os.fspath(source))
         self.settings = settings
         self._own_mountpoint = mountpoint is None
@@ -106,14 +107,27 @@ class SlowStorage:
                 f.write(bytes(_COUNTERS.size))
             with open(os.path.join(self._stats_dir, "server.log"), "wb") as log:
                 self._process = subprocess.Popen(
-                    [sys.executable, "-m", "ms_loadpatch.tools.slow_storage", self.source, self.mountpoint,
-                     "--stats", self._stats, "--parent", str(os.getpid()), *self.settings.arguments()],
-                    stdout=log, stderr=subprocess.STDOUT)
+                    [
+                        sys.executable,
+                        "-m",
+                        "ms_loadpatch.tools.slow_storage",
+                        self.source,
+                        self.mountpoint,
+                        "--stats",
+                        self._stats,
+                        "--parent",
+                        str(os.getpid()),
+                        *self.settings.arguments(),
+                    ],
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                )
             deadline = time.monotonic() + self._start_timeout
             while not os.path.ismount(self.mountpoint):
                 if self._process.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError(f"the FUSE server for {self.source} did not mount {self.mountpoint}: "
-                                       + self._log_tail())
+                    raise RuntimeError(
+                        f"the FUSE server for {self.source} did not mount {self.mountpoint}: " + self._log_tail()
+                    )
                 time.sleep(0.02)
         except BaseException:
             self._stop()
@@ -197,9 +211,16 @@ def _operations(source: str, settings: StorageSettings, counters: mmap.mmap):
                 st = os.lstat(self._real(path))
             except OSError as exc:
                 raise mfusepy.FuseOSError(exc.errno) from None
-            return {"st_mode": st.st_mode, "st_nlink": st.st_nlink, "st_size": st.st_size, "st_uid": st.st_uid,
-                    "st_gid": st.st_gid, "st_atime": st.st_atime_ns, "st_mtime": st.st_mtime_ns,
-                    "st_ctime": st.st_ctime_ns}
+            return {
+                "st_mode": st.st_mode,
+                "st_nlink": st.st_nlink,
+                "st_size": st.st_size,
+                "st_uid": st.st_uid,
+                "st_gid": st.st_gid,
+                "st_atime": st.st_atime_ns,
+                "st_mtime": st.st_mtime_ns,
+                "st_ctime": st.st_ctime_ns,
+            }
 
         def readdir(self, path, fh):
             return [".", "..", *os.listdir(self._real(path))]
@@ -236,8 +257,10 @@ def _operations(source: str, settings: StorageSettings, counters: mmap.mmap):
 
         def statfs(self, path):
             st = os.statvfs(source)
-            return {key: getattr(st, key) for key in ("f_bsize", "f_frsize", "f_blocks", "f_bfree", "f_bavail",
-                                                      "f_files", "f_ffree", "f_namemax")}
+            return {
+                key: getattr(st, key)
+                for key in ("f_bsize", "f_frsize", "f_blocks", "f_bfree", "f_bavail", "f_files", "f_ffree", "f_namemax")
+            }
 
     return Served()
 
@@ -256,8 +279,10 @@ def _unmount_when_orphaned(mountpoint: str, parent: int) -> None:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m ms_loadpatch.tools.slow_storage",
-                                     description="Serve SOURCE read-only at MOUNTPOINT through FUSE, slowly.")
+    parser = argparse.ArgumentParser(
+        prog="python -m ms_loadpatch.tools.slow_storage",
+        description="Serve SOURCE read-only at MOUNTPOINT through FUSE, slowly.",
+    )
     parser.add_argument("source")
     parser.add_argument("mountpoint")
     parser.add_argument("--latency-ms", type=float, default=2.0)
@@ -268,16 +293,23 @@ def main(argv=None) -> int:
     parser.add_argument("--stats", required=True, help="a file of %d bytes the counters are kept in" % _COUNTERS.size)
     parser.add_argument("--parent", type=int, default=None, help="unmount when this process ends")
     args = parser.parse_args(argv)
-    settings = StorageSettings(args.latency_ms, args.stream_mb_s, args.total_mb_s, args.fail_after_bytes,
-                               args.stall_after_bytes)
+    settings = StorageSettings(
+        args.latency_ms, args.stream_mb_s, args.total_mb_s, args.fail_after_bytes, args.stall_after_bytes
+    )
     import mfusepy
 
     with open(args.stats, "r+b") as f:
         counters = mmap.mmap(f.fileno(), _COUNTERS.size)
     if args.parent:
         threading.Thread(target=_unmount_when_orphaned, args=(args.mountpoint, args.parent), daemon=True).start()
-    mfusepy.FUSE(_operations(args.source, settings, counters), args.mountpoint, foreground=True, ro=True,
-                 kernel_cache=True, fsname="ms_loadpatch-slow-storage")
+    mfusepy.FUSE(
+        _operations(args.source, settings, counters),
+        args.mountpoint,
+        foreground=True,
+        ro=True,
+        kernel_cache=True,
+        fsname="ms_loadpatch-slow-storage",
+    )
     return 0
 
 

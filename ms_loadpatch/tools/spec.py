@@ -51,7 +51,9 @@ class LoadSpec:
         if not os.path.isfile(config_path):
             index = os.path.join(path, "model_index.json")
             if not subfolder and os.path.isfile(index):
-                components = sorted(k for k, v in _read_json(index).items() if isinstance(v, list) and not k.startswith("_"))
+                components = sorted(
+                    k for k, v in _read_json(index).items() if isinstance(v, list) and not k.startswith("_")
+                )
                 raise UsageError(
                     f"{path} is a diffusers pipeline; pass one model with --subfolder (components: {', '.join(components)})"
                 )
@@ -73,8 +75,9 @@ class LoadSpec:
                 raise UsageError(f"--single-file loads a mindone.diffusers model; {config_path} is a {library} one")
             if not os.path.isfile(os.path.join(model_dir, single_file)):
                 raise UsageError(f"{os.path.join(model_dir, single_file)}: no such file")
-        return cls(path=path, class_name=name, library=library, subfolder=subfolder, dtype=dtype,
-                   single_file=single_file or "")
+        return cls(
+            path=path, class_name=name, library=library, subfolder=subfolder, dtype=dtype, single_file=single_file or ""
+        )
 
     def weight_files(self) -> list[str]:
         """The safetensors files the load reads (the single file; else the index's, else every file)."""

@@ -34,9 +34,18 @@ def write_snapshot(snap: dict, path) -> None:
     arrays, tensors = {}, []
     for i, (name, record) in enumerate(snap["tensors"].items()):
         arrays[f"t{i}"] = record.bits
-        tensors.append({"name": name, "kind": record.kind, "shape": list(record.shape), "dtype": record.dtype,
-                        "requires_grad": record.requires_grad, "param_name": record.param_name,
-                        "copy_has_values": record.copy_has_values, "keeps_initializer": record.keeps_initializer})
+        tensors.append(
+            {
+                "name": name,
+                "kind": record.kind,
+                "shape": list(record.shape),
+                "dtype": record.dtype,
+                "requires_grad": record.requires_grad,
+                "param_name": record.param_name,
+                "copy_has_values": record.copy_has_values,
+                "keeps_initializer": record.keeps_initializer,
+            }
+        )
     meta = {"tensors": tensors, "ties": snap["ties"], "training": snap["training"]}
     arrays[_META] = np.frombuffer(json.dumps(meta).encode(), dtype=np.uint8)
     with open(path, "wb") as f:
@@ -48,9 +57,16 @@ def read_snapshot(path) -> dict:
         meta = json.loads(data[_META].tobytes().decode())
         tensors = {}
         for i, t in enumerate(meta["tensors"]):
-            tensors[t["name"]] = TensorRecord(t["kind"], tuple(t["shape"]), t["dtype"], data[f"t{i}"],
-                                              t["requires_grad"], t["param_name"],
-                                              t.get("copy_has_values"), t.get("keeps_initializer"))
+            tensors[t["name"]] = TensorRecord(
+                t["kind"],
+                tuple(t["shape"]),
+                t["dtype"],
+                data[f"t{i}"],
+                t["requires_grad"],
+                t["param_name"],
+                t.get("copy_has_values"),
+                t.get("keeps_initializer"),
+            )
     return {"tensors": tensors, "ties": meta["ties"], "training": meta["training"]}
 
 
@@ -83,8 +99,11 @@ def run_verify(spec: LoadSpec, progress: Progress | None = None, timeout=None) -
         return outcome
     reference = snaps["unpatched"]
     kinds = [r.kind for r in reference["tensors"].values()]
-    outcome["counts"] = {"params": kinds.count("param"), "buffers": kinds.count("buffer"),
-                         "tied": sum(len(v) for v in reference["ties"].values())}
+    outcome["counts"] = {
+        "params": kinds.count("param"),
+        "buffers": kinds.count("buffer"),
+        "tied": sum(len(v) for v in reference["ties"].values()),
+    }
     outcome["problems"] = compare(reference, snaps["patched"])
     outcome["exit_code"] = EXIT_DIFFERENT if outcome["problems"] else EXIT_EQUAL
     return outcome
@@ -98,16 +117,20 @@ def format_outcome(outcome: dict) -> str:
     first = runs.get("unpatched") or {}
     library = first.get("library", spec.library)
     lines.append(f"ms-loadpatch verify: {where}")
-    lines.append(f"  class {first.get('class_name', spec.class_name)} (mindone.{library}), "
-                 f"dtype {spec.dtype or 'as from_pretrained defaults'}")
+    lines.append(
+        f"  class {first.get('class_name', spec.class_name)} (mindone.{library}), "
+        f"dtype {spec.dtype or 'as from_pretrained defaults'}"
+    )
     if first:
         fallback = FALLBACK_NOTE if first.get("cpu_kernel_fallbacks") else ""
         lines.append(f"  device {first['device']}{fallback}")
     for mode, label in (("unpatched", "MS_LOADPATCH=0"), ("patched", "ms_loadpatch enabled")):
         if mode in runs:
             run = runs[mode]
-            lines.append(f"  {mode + ' load':15} {run['seconds']:8.3f} s  peak RSS {run['peak_rss_bytes'] / 2**20:,.0f} MB"
-                         f"  (fresh process, {label})")
+            lines.append(
+                f"  {mode + ' load':15} {run['seconds']:8.3f} s  peak RSS {run['peak_rss_bytes'] / 2**20:,.0f} MB"
+                f"  (fresh process, {label})"
+            )
         elif mode in errors:
             lines.append(f"  {mode + ' load':15}   FAILED  {errors[mode]}")
     patched = runs.get("patched")
@@ -116,8 +139,10 @@ def format_outcome(outcome: dict) -> str:
         if report:
             lines.append(f"  patched technique: {report['technique']}")
         else:
-            lines.append("  note: the patched load ran mindone's own path (no load report): "
-                         "nothing was accelerated, so equality is expected")
+            lines.append(
+                "  note: the patched load ran mindone's own path (no load report): "
+                "nothing was accelerated, so equality is expected"
+            )
     code = outcome["exit_code"]
     if code == EXIT_NO_REFERENCE:
         lines.append("CANNOT VERIFY: the unpatched load failed, so there is no reference to compare with")
@@ -132,9 +157,11 @@ def format_outcome(outcome: dict) -> str:
             lines.append(tail)
         return "\n".join(lines)
     counts = outcome["counts"]
-    lines.append(f"  compared {counts['params']} parameters and {counts['buffers']} buffers "
-                 f"({counts['tied']} tied names): names, shapes, dtypes, requires_grad, parameter names, "
-                 "ties, training mode, values bit for bit")
+    lines.append(
+        f"  compared {counts['params']} parameters and {counts['buffers']} buffers "
+        f"({counts['tied']} tied names): names, shapes, dtypes, requires_grad, parameter names, "
+        "ties, training mode, values bit for bit"
+    )
     problems = outcome["problems"]
     if not problems:
         lines.append("IDENTICAL: the patched load gives the same model")

@@ -32,8 +32,15 @@ from .sibling_clone import SiblingClone
 
 _FLAT_NAME_WALK = FlatNameWalk()
 _SIBLING_CLONE = SiblingClone()
-TECHNIQUES = (CellInitTemplate(), SignatureCache(), PrimitiveDefaults(), _FLAT_NAME_WALK, _SIBLING_CLONE, GcPause(),
-              HostFactories())
+TECHNIQUES = (
+    CellInitTemplate(),
+    SignatureCache(),
+    PrimitiveDefaults(),
+    _FLAT_NAME_WALK,
+    _SIBLING_CLONE,
+    GcPause(),
+    HostFactories(),
+)
 
 _probe_results: dict[str, str | None] = {}
 _probe_lock = threading.Lock()
@@ -73,8 +80,14 @@ def _probe_groups(technique):
     """The early techniques alone (a small build need not pay the others'), then the rest if `technique` is one."""
     _probe_group(early=True)
     if not technique.engages_early:  # probed with the early ones a real build installs beside them
-        _probe_group(early=False, alongside=[t for t in TECHNIQUES if t.engages_early
-                                             and not switch.is_off(t.name) and _probe_results[t.name] is None])
+        _probe_group(
+            early=False,
+            alongside=[
+                t
+                for t in TECHNIQUES
+                if t.engages_early and not switch.is_off(t.name) and _probe_results[t.name] is None
+            ],
+        )
 
 
 def _probe_group(early: bool, alongside=()):
@@ -96,8 +109,15 @@ def technique_status() -> list[dict]:
         if switch.is_off(technique.name):
             rows.append(verdict.row_off(technique.name, None, technique.description))
         else:
-            rows.append(verdict.row(technique.name, None, technique.description, probe_result(technique),
-                                    passed="probe passed: the probe model is identical with and without it"))
+            rows.append(
+                verdict.row(
+                    technique.name,
+                    None,
+                    technique.description,
+                    probe_result(technique),
+                    passed="probe passed: the probe model is identical with and without it",
+                )
+            )
     rows.append(deferred_writes.status_row())
     rows.append(init_pass.batched_draws_row())
     return rows
@@ -106,8 +126,7 @@ def technique_status() -> list[dict]:
 def active_techniques(early: bool = False) -> list:
     """The techniques switched on whose probe passed: those installed once a
     build reaches its start cell, or (`early`) those installed when it begins."""
-    return [t for t in TECHNIQUES
-            if t.engages_early == early and not switch.is_off(t.name) and probe_result(t) is None]
+    return [t for t in TECHNIQUES if t.engages_early == early and not switch.is_off(t.name) and probe_result(t) is None]
 
 
 def leftovers() -> list[str]:
@@ -140,6 +159,7 @@ def fast_construction(lazy_parameters: bool = True, checkpoint_tensors: int | No
         techniques = active_techniques()
         return techniques if lazy_parameters else [t for t in techniques if not isinstance(t, SiblingClone)]
 
-    with window.open_window(choose, window.start_after_cells(checkpoint_tensors),
-                            early=lambda: active_techniques(early=True)):
+    with window.open_window(
+        choose, window.start_after_cells(checkpoint_tensors), early=lambda: active_techniques(early=True)
+    ):
         yield

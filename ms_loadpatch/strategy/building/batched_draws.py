@@ -83,8 +83,11 @@ def _check_batched_draws() -> str | None:
 
     original = _originals.get("numpy_seed") or module._numpy_seed  # draw_patches' stand-in while installed
     known, theirs = _numpy_seed_as_known.__code__, getattr(original, "__code__", None)
-    if module.np is not np or theirs is None or (theirs.co_code, theirs.co_consts, theirs.co_names) != (
-            known.co_code, known.co_consts, known.co_names):
+    if (
+        module.np is not np
+        or theirs is None
+        or (theirs.co_code, theirs.co_consts, theirs.co_names) != (known.co_code, known.co_consts, known.co_names)
+    ):
         return "mindspore's initializer._numpy_seed is not np.random.randint(low=1, high=1 << 63, dtype=np.int64)"
     for seed in (1234,):
         for n in (1, 2, 17, 700):  # 700 draws refill MT19937's 624 words twice

@@ -24,11 +24,35 @@ class CellInitTemplate(Technique):
     description = "nn.Cell.__init__'s fixed attribute set copied from a per-process template"
     # Every global name nn.Cell.__init__ refers to on the tested mindspores (versions.py); any other
     # is a side effect this technique would not reproduce: skipped.
-    KNOWN_NAMES = frozenset({
-        "Cell", "Cell_", "OrderedDict", "__init__", "__setattr__", "_cell_tag", "add_flags", "cells_compile_cache",
-        "compile_cache", "getenv", "hasattr", "id", "init_pipeline", "int", "logger", "os", "super", "time",
-        "total_instance_count", "warning", "setattr", "object", "dict", "set", "list",
-    })
+    KNOWN_NAMES = frozenset(
+        {
+            "Cell",
+            "Cell_",
+            "OrderedDict",
+            "__init__",
+            "__setattr__",
+            "_cell_tag",
+            "add_flags",
+            "cells_compile_cache",
+            "compile_cache",
+            "getenv",
+            "hasattr",
+            "id",
+            "init_pipeline",
+            "int",
+            "logger",
+            "os",
+            "super",
+            "time",
+            "total_instance_count",
+            "warning",
+            "setattr",
+            "object",
+            "dict",
+            "set",
+            "list",
+        }
+    )
     PER_INSTANCE_TIME = "_create_time"
     _SCALARS = (type(None), bool, int, float, str)
 
@@ -105,8 +129,12 @@ class CellInitTemplate(Technique):
         count = self.count
 
         def __init__(self, auto_prefix=True, flags=None):
-            if (window.state.builder != threading.get_ident() or flags or not technique._plain(type(self))
-                    or environ.get("GC_COLLECT_IN_CELL") == "1"):
+            if (
+                window.state.builder != threading.get_ident()
+                or flags
+                or not technique._plain(type(self))
+                or environ.get("GC_COLLECT_IN_CELL") == "1"
+            ):
                 return original(self, auto_prefix, flags)
             cell_base.__init__(self, self._cell_tag)
             count.pending += 1

@@ -9,8 +9,15 @@ from ..assign import drop_kept_initializer
 from . import draws, fast_construction, lazy_writes, named_parameters
 from .lazy import lazy_parameters
 
-__all__ = ["lazy_construction", "refresh_parameter_names", "walk_cells", "state_index",
-           "as_load_state_dict_leaves_it", "initialize_unloaded", "built_with_draws"]
+__all__ = [
+    "lazy_construction",
+    "refresh_parameter_names",
+    "walk_cells",
+    "state_index",
+    "as_load_state_dict_leaves_it",
+    "initialize_unloaded",
+    "built_with_draws",
+]
 
 
 @contextlib.contextmanager
@@ -101,7 +108,8 @@ def as_load_state_dict_leaves_it(cell, name: str) -> None:
             raise RuntimeError(
                 f"ms_loadpatch: cell '{name.rstrip('.') or type(cell).__name__}' "
                 f"({type(cell).__name__}) has {attr[1:]} registered, which the accelerated load does not run; "
-                "load this model with ms_loadpatch.disabled()")
+                "load this model with ms_loadpatch.disabled()"
+            )
 
 
 def initialize_unloaded(root, ledger, skip=frozenset()) -> int:

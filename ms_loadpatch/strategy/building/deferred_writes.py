@@ -33,8 +33,10 @@ import threading
 import numpy as np
 
 # random in-place methods: (kernel in mindspore.ops.function.random_func, its argument names and defaults)
-RANDOM_WRITES = {"normal_": ("inplace_normal_", ("mean", "std"), (0, 1)),
-                 "uniform_": ("inplace_uniform_op", ("from_", "to"), (0, 1))}
+RANDOM_WRITES = {
+    "normal_": ("inplace_normal_", ("mean", "std"), (0, 1)),
+    "uniform_": ("inplace_uniform_op", ("from_", "to"), (0, 1)),
+}
 # in-place methods with no randomness, replayed by calling them later: (argument names, defaults)
 PLAIN_WRITES = {"zero_": ((), ()), "fill_": (("value",), (None,))}
 # item assignment of a scalar (`param[index] = value`, `param.data[index] = value`)
@@ -108,8 +110,8 @@ def recorded(param, via_data, index, kind, args, kwargs, kinds):
 def _bound(names, defaults, args, kwargs):
     if len(args) > len(names) or set(kwargs) - set(names):
         return None
-    values = list(args) + [kwargs.get(n, d) for n, d in zip(names[len(args):], defaults[len(args):])]
-    if any(name in kwargs for name in names[:len(args)]) or any(v is None for v in values):
+    values = list(args) + [kwargs.get(n, d) for n, d in zip(names[len(args) :], defaults[len(args) :])]
+    if any(name in kwargs for name in names[: len(args)]) or any(v is None for v in values):
         return None
     return tuple(values)
 
@@ -125,8 +127,18 @@ def plain_index(index) -> bool:
 
 # -- what the calling code does next with `.data` or `data[index]`
 
-_LOADS = frozenset(("LOAD_FAST", "LOAD_FAST_CHECK", "LOAD_CONST", "LOAD_GLOBAL", "LOAD_DEREF", "LOAD_NAME",
-                    "LOAD_SMALL_INT", "LOAD_FAST_BORROW"))
+_LOADS = frozenset(
+    (
+        "LOAD_FAST",
+        "LOAD_FAST_CHECK",
+        "LOAD_CONST",
+        "LOAD_GLOBAL",
+        "LOAD_DEREF",
+        "LOAD_NAME",
+        "LOAD_SMALL_INT",
+        "LOAD_FAST_BORROW",
+    )
+)
 _METHOD_LOADS = frozenset(("LOAD_METHOD", "LOAD_ATTR"))
 _uses: dict = {}  # (code, offset of the instruction being run) -> what comes next (see next_use)
 
@@ -156,7 +168,7 @@ def _classify(code, offset, current):
         return None  # not a plain attribute load (mindspore's C code, getattr): the value may go anywhere
     if current == "subscript" and ins.opname != "BINARY_SUBSCR":
         return None
-    rest = instructions[at + 1:]
+    rest = instructions[at + 1 :]
     if not rest:
         return None
     if rest[0].opname in _METHOD_LOADS and isinstance(rest[0].argval, str) and rest[0].argval in KINDS:
@@ -216,8 +228,9 @@ class LazyData:
         return self._real()[index]
 
     def __setitem__(self, index, value):
-        if not (self._param.has_init and self._recorder.record(self._param, True, self._index, SETITEM,
-                                                                 (index, value), {})):
+        if not (
+            self._param.has_init and self._recorder.record(self._param, True, self._index, SETITEM, (index, value), {})
+        ):
             self._real()[index] = value
 
     def __getattr__(self, name):
@@ -303,8 +316,13 @@ def _verify():
 
 
 # (how the probe calls each kind: through .data, indices, arguments)
-_PROBE_CALLS = {"normal_": (True, (), (0.5, 0.25)), "uniform_": (True, (), (-0.5, 0.5)),
-                "zero_": (True, (1,), ()), "fill_": (True, (), (1.5,)), SETITEM: (False, (), (1, 0.0))}
+_PROBE_CALLS = {
+    "normal_": (True, (), (0.5, 0.25)),
+    "uniform_": (True, (), (-0.5, 0.5)),
+    "zero_": (True, (1,), ()),
+    "fill_": (True, (), (1.5,)),
+    SETITEM: (False, (), (1, 0.0)),
+}
 
 
 def _compare(kind) -> str | None:
@@ -365,9 +383,11 @@ def status_row() -> dict:
     """status()'s row: active while any kind passed, naming those that did not."""
     from .. import switch, verdict
 
-    description = ("in-place writes of an init pass on a lazy parameter (" + ", ".join(KINDS) + ") recorded "
-                   "with their generator steps and replayed only if the checkpoint lacks the parameter "
-                   "(probed against the real op on plain parameters)")
+    description = (
+        "in-place writes of an init pass on a lazy parameter (" + ", ".join(KINDS) + ") recorded "
+        "with their generator steps and replayed only if the checkpoint lacks the parameter "
+        "(probed against the real op on plain parameters)"
+    )
     if switch.is_off(NAME):
         return verdict.row_off(NAME, None, description)
     passed, problems = verified()
@@ -375,7 +395,12 @@ def status_row() -> dict:
     if problems:
         problem = "; ".join(f"{kind}: {why} (filled, then run)" for kind, why in sorted(problems.items()))
     if passed and problem:
-        return {"name": NAME, "description": description, "state": verdict.ACTIVE,
-                "reason": f"active for {', '.join(sorted(passed))}; {problem}"}
-    return verdict.row(NAME, None, description, problem,
-                       passed="probe passed: record and replay equal the real op here")
+        return {
+            "name": NAME,
+            "description": description,
+            "state": verdict.ACTIVE,
+            "reason": f"active for {', '.join(sorted(passed))}; {problem}",
+        }
+    return verdict.row(
+        NAME, None, description, problem, passed="probe passed: record and replay equal the real op here"
+    )

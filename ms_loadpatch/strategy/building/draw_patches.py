@@ -50,8 +50,14 @@ def _install_filling():
 
     numpy_seed, init_data = module._numpy_seed, vars(Tensor)["init_data"]
     parameter_init_data = vars(Parameter)["init_data"]
-    originals.update(numpy_seed=numpy_seed, init_data=init_data, module=module, Tensor=Tensor,
-                      parameter_init_data=parameter_init_data, FilledParameter=Parameter)
+    originals.update(
+        numpy_seed=numpy_seed,
+        init_data=init_data,
+        module=module,
+        Tensor=Tensor,
+        parameter_init_data=parameter_init_data,
+        FilledParameter=Parameter,
+    )
 
     def _numpy_seed():
         replay = getattr(local, "replay", None)

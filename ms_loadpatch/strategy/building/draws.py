@@ -42,8 +42,17 @@ from .draw_patches import originals as _originals
 
 # initializer classes (mindspore.common.initializer) by how many draws filling a tensor takes
 NO_DRAW = ("Zero", "One", "Constant")
-ONE_DRAW = ("Normal", "Uniform", "TruncatedNormal", "HeUniform", "HeNormal", "XavierUniform", "XavierNormal",
-            "VarianceScaling", "Orthogonal")
+ONE_DRAW = (
+    "Normal",
+    "Uniform",
+    "TruncatedNormal",
+    "HeUniform",
+    "HeNormal",
+    "XavierUniform",
+    "XavierNormal",
+    "VarianceScaling",
+    "Orthogonal",
+)
 
 _OWED = object()  # a seed owed (Ledger.owed), never a value an initializer gets
 
@@ -271,7 +280,10 @@ def _verify():
         if reason is not None:
             return frozenset(), frozenset(), f"{name} {shapes[0]} run in full: {reason}"
     # a table's class that does not draw as it says is run in full
-    tables = (frozenset(getattr(module, name) for name in NO_DRAW), frozenset(getattr(module, name) for name in ONE_DRAW))
+    tables = (
+        frozenset(getattr(module, name) for name in NO_DRAW),
+        frozenset(getattr(module, name) for name in ONE_DRAW),
+    )
     confirmed = [set(), set()]
     for table, names in enumerate((NO_DRAW, ONE_DRAW)):
         for name in names:
@@ -293,8 +305,7 @@ def _compare_one(ms, module, name, shape, classes) -> str | None:
     from .lazy import unshared_lazy_parameter
 
     def build(make=ms.Parameter):
-        return [make(module.initializer(_initializer(module, name), shape, ms.float32), name=f"p{i}")
-                for i in range(2)]
+        return [make(module.initializer(_initializer(module, name), shape, ms.float32), name=f"p{i}") for i in range(2)]
 
     state = np.random.get_state()
     try:

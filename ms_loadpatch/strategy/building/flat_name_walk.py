@@ -20,8 +20,7 @@ class FlatNameWalk(Technique):
     name = "flat-name-walk"
     installed = False  # in the open window (named_parameters serves its builder only then)
     description = "Cell.update_parameters_name walks the subtree with one stack instead of nested generators"
-    KNOWN_NAMES = frozenset({"Validator", "check_str_and_none_by_regular", "parameters_and_names", "is_init",
-                             "name"})
+    KNOWN_NAMES = frozenset({"Validator", "check_str_and_none_by_regular", "parameters_and_names", "is_init", "name"})
 
     def prepare(self):
         cell_class, original = cell_method("update_parameters_name", self.KNOWN_NAMES)
@@ -42,8 +41,10 @@ class FlatNameWalk(Technique):
         plain = self.plain_classes.get(cls)
         if plain is None:
             cells_and_names, parameters_and_names = self.walk_methods
-            plain = (getattr(cls, "cells_and_names", None) is cells_and_names
-                     and getattr(cls, "parameters_and_names", None) is parameters_and_names)
+            plain = (
+                getattr(cls, "cells_and_names", None) is cells_and_names
+                and getattr(cls, "parameters_and_names", None) is parameters_and_names
+            )
             self.plain_classes[cls] = plain
         return plain
 

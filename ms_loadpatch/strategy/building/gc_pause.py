@@ -93,7 +93,9 @@ class GcPause(Technique):
     are unchanged). Left alone when the application has disabled gc itself."""
 
     name = NAME
-    description = "cyclic garbage collection paused while the model is built and loaded (process-wide; nothing else changes)"
+    description = (
+        "cyclic garbage collection paused while the model is built and loaded (process-wide; nothing else changes)"
+    )
     pauses_collection = True
 
     def __init__(self):

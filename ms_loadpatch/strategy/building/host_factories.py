@@ -28,8 +28,10 @@ class HostFactories(Technique):
     tensors above MAX_ELEMENTS take mindspore's function."""
 
     name = "host-factories"
-    description = ("mint.ones / zeros / empty and ops.ones / zeros while a model is built: made from host memory, "
-                   "without a round trip through mindspore's op pipeline")
+    description = (
+        "mint.ones / zeros / empty and ops.ones / zeros while a model is built: made from host memory, "
+        "without a round trip through mindspore's op pipeline"
+    )
     # Installed from a build's first cell (not after window.DEFAULT_START
     # cells): it saves milliseconds per tensor and its own probe model is tiny.
     engages_early = True
@@ -65,9 +67,17 @@ class HostFactories(Technique):
             originals[key] = function
         # mindspore dtype -> (numpy dtype the array is made in, dtype given to Tensor or None)
         numpy_of = {}
-        for ms_name, np_type in (("float32", np.float32), ("float16", np.float16), ("float64", np.float64),
-                                 ("int8", np.int8), ("int16", np.int16), ("int32", np.int32), ("int64", np.int64),
-                                 ("uint8", np.uint8), ("bool_", np.bool_)):
+        for ms_name, np_type in (
+            ("float32", np.float32),
+            ("float16", np.float16),
+            ("float64", np.float64),
+            ("int8", np.int8),
+            ("int16", np.int16),
+            ("int32", np.int32),
+            ("int64", np.int64),
+            ("uint8", np.uint8),
+            ("bool_", np.bool_),
+        ):
             dtype = getattr(ms, ms_name, None)
             if dtype is not None:
                 numpy_of[dtype] = (np_type, None)
@@ -141,10 +151,13 @@ class HostFactories(Technique):
                 # read even for `empty`: mindspore 2.7's CPU wheel fails its mint.empty(n, dtype=...) only
                 # when the op runs, and the error would otherwise surface in the user's next op
                 expected_bytes = expected.asnumpy().tobytes()
-                verdict = (type(made) is type(expected) and made.shape == expected.shape
-                           and made.dtype == expected.dtype
-                           and str(getattr(made, "device", None)) == str(getattr(expected, "device", None))
-                           and (key[1] == "empty" or made.asnumpy().tobytes() == expected_bytes))
+                verdict = (
+                    type(made) is type(expected)
+                    and made.shape == expected.shape
+                    and made.dtype == expected.dtype
+                    and str(getattr(made, "device", None)) == str(getattr(expected, "device", None))
+                    and (key[1] == "empty" or made.asnumpy().tobytes() == expected_bytes)
+                )
             except Exception:  # noqa: BLE001 - mindspore's own call fails here: the user's call gets its error
                 verdict = False
             self.checked[(*key, dtype)] = verdict
@@ -173,12 +186,15 @@ class HostFactories(Technique):
         return self._make(name, shape, dtype)
 
     def install(self):
-        if any(getattr(self.modules[module], name, None) is not original
-               for (module, name), original in self.originals.items()):
+        if any(
+            getattr(self.modules[module], name, None) is not original
+            for (module, name), original in self.originals.items()
+        ):
             return False
         technique, serving = self, window.state.generation
         wrappers = {}
         for key, original in self.originals.items():
+
             def factory(*args, _key=key, _original=original, **kwargs):
                 if window.state.builder == threading.get_ident() and window.state.generation == serving:
                     made = technique._host(_key, _original, args, dict(kwargs))
@@ -205,8 +221,11 @@ class HostFactories(Technique):
             window.state.notes[self.name] = {"tensors": self.made - self.made_before}
 
     def leftovers(self):
-        return [f"mindspore.{module}.{name} is not mindspore's" for (module, name), original in self.originals.items()
-                if getattr(self.modules[module], name, None) is not original]
+        return [
+            f"mindspore.{module}.{name} is not mindspore's"
+            for (module, name), original in self.originals.items()
+            if getattr(self.modules[module], name, None) is not original
+        ]
 
     def probe_started(self):
         return self.made
@@ -251,10 +270,15 @@ class HostFactories(Technique):
     def probe_values(self, model) -> list:
         """What the state comparison leaves out: each parameter's values, and
         where every parameter, buffer and tensor attribute lives."""
-        out = [(name, str(getattr(param, "device", None)), param.asnumpy().tobytes())
-               for name, param in model.parameters_and_names()]
+        out = [
+            (name, str(getattr(param, "device", None)), param.asnumpy().tobytes())
+            for name, param in model.parameters_and_names()
+        ]
         for name, cell in model.cells_and_names():
             tensors = list(vars(cell).items()) + list(getattr(cell, "_buffers", {}).items())
-            out += [(f"{name}.{key}", str(getattr(value, "device", None))) for key, value in tensors
-                    if isinstance(value, self.tensor)]
+            out += [
+                (f"{name}.{key}", str(getattr(value, "device", None)))
+                for key, value in tensors
+                if isinstance(value, self.tensor)
+            ]
         return out

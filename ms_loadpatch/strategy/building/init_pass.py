@@ -68,8 +68,9 @@ def cells_in_apply_order(root):
             stack += [(child, False) for child in reversed(unique)]
 
 
-def run(root, initialize, is_done=None, mark_done=None, ledger=None, copied_from=None, counts=None,
-        owe_draws=False) -> None:
+def run(
+    root, initialize, is_done=None, mark_done=None, ledger=None, copied_from=None, counts=None, owe_draws=False
+) -> None:
     """`root.apply(f)`'s calls, without its per-cell recursion, where `f` is
     mindone's `_initialize_weights`: `initialize(cell)` then `mark_done(cell)`
     unless `is_done(cell)` (without them: `initialize(cell)` alone). With a
@@ -116,10 +117,12 @@ def _plain_cell(cls) -> bool:
     if plain is None:
         from mindspore import nn
 
-        plain = _plain_cells[cls] = (cls.__getattribute__ is object.__getattribute__
-                                     and cls.__getattr__ is nn.Cell.__getattr__
-                                     and cls.__setattr__ is nn.Cell.__setattr__
-                                     and not any(_FLAG in vars(klass) for klass in cls.__mro__))
+        plain = _plain_cells[cls] = (
+            cls.__getattribute__ is object.__getattribute__
+            and cls.__getattr__ is nn.Cell.__getattr__
+            and cls.__setattr__ is nn.Cell.__setattr__
+            and not any(_FLAG in vars(klass) for klass in cls.__mro__)
+        )
     return plain
 
 
@@ -181,8 +184,11 @@ class _Replays:
             initialize(cell)
         finally:
             assignments, ledger.assignments = ledger.assignments, None
-        if before_counts != (counts.filled, counts.deferred, counts.generator_steps, ledger.run_in_full) \
-                or python_state != random.getstate() or _subtree_state(cell) != subtree:
+        if (
+            before_counts != (counts.filled, counts.deferred, counts.generator_steps, ledger.run_in_full)
+            or python_state != random.getstate()
+            or _subtree_state(cell) != subtree
+        ):
             return None
         effect, replayed = [], np.random.RandomState()
         replayed.set_state(random_state)
@@ -259,7 +265,6 @@ def _subtree_state(cell):
     return state
 
 
-
 def _plain_value(value) -> bool:
     if type(value) is dict:
         return all(isinstance(v, _SCALARS) for v in value.values())
@@ -302,6 +307,7 @@ def filling_on_touch(ledger=None):
 
     data = next((vars(k)["data"] for k in cls.__mro__ if "data" in vars(k)), None)
     if data is not None:
+
         def read_data(param):
             if threading.get_ident() == builder and param.has_init:
                 lazy = recorder.data(param, sys._getframe(1)) if recorder is not None else None
@@ -363,8 +369,12 @@ def _filling_first(cls, name, fill, recorder, builder):
     own = vars(cls).get(name)
 
     def method(self, *args, **kwargs):
-        if recorder is not None and self.has_init and threading.get_ident() == builder \
-                and recorder.record(self, False, (), name, args, kwargs):
+        if (
+            recorder is not None
+            and self.has_init
+            and threading.get_ident() == builder
+            and recorder.record(self, False, (), name, args, kwargs)
+        ):
             return None if name == "__setitem__" else self
         fill(self)
         if own is not None:
@@ -379,15 +389,25 @@ def batched_draws_row() -> dict:
     """status()'s row for replays' draws taken in batches."""
     from .. import verdict
 
-    description = ("the numpy draws of sibling-clone copies and of init-pass calls replayed on them taken in one "
-                   "call per copy or run of replays (checked: mindspore's _numpy_seed, numpy's batched randint, "
-                   "the same numbers made from the global MT19937's words)")
+    description = (
+        "the numpy draws of sibling-clone copies and of init-pass calls replayed on them taken in one "
+        "call per copy or run of replays (checked: mindspore's _numpy_seed, numpy's batched randint, "
+        "the same numbers made from the global MT19937's words)"
+    )
     if switch.is_off(BATCHED_DRAWS):
         return verdict.row_off(BATCHED_DRAWS, None, description)
-    words = ("; made from the global MT19937's words" if batched_draws.words_usable()
-             else "; one randint each (the words check failed)")
-    return verdict.row(BATCHED_DRAWS, None, description, batched_draws.problem(),
-                       passed="probe passed: one randint of size n equals n of mindspore's draws here" + words)
+    words = (
+        "; made from the global MT19937's words"
+        if batched_draws.words_usable()
+        else "; one randint each (the words check failed)"
+    )
+    return verdict.row(
+        BATCHED_DRAWS,
+        None,
+        description,
+        batched_draws.problem(),
+        passed="probe passed: one randint of size n equals n of mindspore's draws here" + words,
+    )
 
 
 def leftovers() -> list[str]:
@@ -395,9 +415,11 @@ def leftovers() -> list[str]:
     import mindspore as ms
     from mindspore.common.generator import Generator
 
-    found = [f"Parameter.{name} still fills on touch" for name, value in vars(ms.Parameter).items()
-             if getattr(value, "__qualname__", "").startswith("_filling_first")
-             or isinstance(value, _FillingData)]
+    found = [
+        f"Parameter.{name} still fills on touch"
+        for name, value in vars(ms.Parameter).items()
+        if getattr(value, "__qualname__", "").startswith("_filling_first") or isinstance(value, _FillingData)
+    ]
     if getattr(vars(Generator)["_step"], "__qualname__", "") == "_counting_steps":
         found.append("Generator._step still counts steps")
     return found

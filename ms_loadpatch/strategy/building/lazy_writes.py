@@ -44,8 +44,13 @@ def taken_as_copy(param, value) -> bool:
     when it does not, nothing done."""
     from mindspore.common import dtype as mstype
 
-    if not isinstance(value, Tensor) or value.has_init or value.dtype != param.dtype \
-            or tuple(value.shape) != tuple(param.shape) or value.dtype == mstype.bfloat16:
+    if (
+        not isinstance(value, Tensor)
+        or value.has_init
+        or value.dtype != param.dtype
+        or tuple(value.shape) != tuple(param.shape)
+        or value.dtype == mstype.bfloat16
+    ):
         return False
     param.set_data(Tensor(np.array(value.asnumpy(), copy=True)))
     return True

@@ -7,9 +7,25 @@ import inspect
 from .technique import InitHooks, ProbeFailed, Technique
 
 # What the decorators' `deco` (mindspore.ops.primitive) refers to: the code reproduced below.
-_DECO_NAMES = frozenset({"Primitive", "PrimitiveWithCheck", "PrimitiveWithInfer", "__class__", "__init__",
-                         "__name__", "apply_defaults", "arguments", "bind", "hasattr", "init_attrs", "inspect",
-                         "isinstance", "signature", "substitute_name"})
+_DECO_NAMES = frozenset(
+    {
+        "Primitive",
+        "PrimitiveWithCheck",
+        "PrimitiveWithInfer",
+        "__class__",
+        "__init__",
+        "__name__",
+        "apply_defaults",
+        "arguments",
+        "bind",
+        "hasattr",
+        "init_attrs",
+        "inspect",
+        "isinstance",
+        "signature",
+        "substitute_name",
+    }
+)
 _DECO_CONSTS = (None, "substitute_name", "self", "name")
 _SETTERS = {"prim_attr_register": "add_prim_attr", "prim_arg_register": "_set_prim_arg"}
 
@@ -32,8 +48,10 @@ class PrimitiveDefaults(Technique):
     in another thread, or on a subclass takes the decorator itself."""
 
     name = "primitive-defaults"
-    description = ("a primitive built without arguments (the Load of every Parameter, the Dense of every mint "
-                   "Linear) takes its decorator's bound defaults from a per-class cache instead of inspect")
+    description = (
+        "a primitive built without arguments (the Load of every Parameter, the Dense of every mint "
+        "Linear) takes its decorator's bound defaults from a per-class cache instead of inspect"
+    )
 
     def __init__(self):
         self.hooks = InitHooks()
@@ -50,8 +68,12 @@ class PrimitiveDefaults(Technique):
             if decorator is None:
                 raise ProbeFailed(f"mindspore.ops.primitive has no {register}")
             code = getattr(decorator(lambda self: None), "__code__", None)
-            if code is None or set(code.co_names) != _DECO_NAMES | {setter} or code.co_consts != _DECO_CONSTS \
-                    or code.co_freevars != ("fn",):
+            if (
+                code is None
+                or set(code.co_names) != _DECO_NAMES | {setter}
+                or code.co_consts != _DECO_CONSTS
+                or code.co_freevars != ("fn",)
+            ):
                 raise ProbeFailed(f"{register}'s decorator is not the code this technique reproduces")
             codes[code] = setter
         self.deco_codes = codes
@@ -81,13 +103,18 @@ class PrimitiveDefaults(Technique):
         if setter is None or fn is None or hasattr(cls, "substitute_name") or not inspect.isfunction(fn):
             return None
         parameters = list(inspect.signature(fn).parameters.values())
-        if not parameters or parameters[0].name != "self" or parameters[0].kind not in (
-                inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD):
+        if (
+            not parameters
+            or parameters[0].name != "self"
+            or parameters[0].kind not in (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+        ):
             return None
         defaults = []
         for parameter in parameters[1:]:
-            if parameter.kind in (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD) \
-                    or parameter.default is inspect.Parameter.empty:
+            if (
+                parameter.kind in (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)
+                or parameter.default is inspect.Parameter.empty
+            ):
                 return None  # bind makes () / {} or raises: left to the decorator
             defaults.append((parameter.name, parameter.default))
         return fn, setter, tuple(defaults), fn.__defaults__, fn.__kwdefaults__

@@ -153,8 +153,11 @@ def _build_probe(techniques=(), make=_probe_model):
 
     np.random.seed(20241127)
     ledger = draws.Ledger()
-    with lazy_parameters(), draws.accounting(ledger), \
-            (contextlib.nullcontext() if any(t.pauses_collection for t in techniques) else _no_cyclic_collection()):
+    with (
+        lazy_parameters(),
+        draws.accounting(ledger),
+        contextlib.nullcontext() if any(t.pauses_collection for t in techniques) else _no_cyclic_collection(),
+    ):
         before = _registries()
         with window.open_window(lambda: list(techniques), record=False):
             model = make()
@@ -165,8 +168,12 @@ def _build_probe(techniques=(), make=_probe_model):
             if param.has_init:
                 param.init_data()
     registered = _compile_cache_entries(model)
-    return (model, tuple(a - b if a is not None and b is not None else None for a, b in zip(after, before)),
-            registered, (random_state[1].tobytes(), random_state[2]))
+    return (
+        model,
+        tuple(a - b if a is not None and b is not None else None for a, b in zip(after, before)),
+        registered,
+        (random_state[1].tobytes(), random_state[2]),
+    )
 
 
 def _compile_cache_entries(model):
@@ -185,8 +192,11 @@ def _probe_output(model):
     import numpy as np
     import mindspore as ms
 
-    values = [(name, str(getattr(param, "device", None)), param.asnumpy().tobytes())
-              for name, param in model.parameters_and_names() if not param.has_init]
+    values = [
+        (name, str(getattr(param, "device", None)), param.asnumpy().tobytes())
+        for name, param in model.parameters_and_names()
+        if not param.has_init
+    ]
     leaf = model.blocks[0]
     for _, param in leaf.parameters_and_names():
         value = np.linspace(-1, 1, int(np.prod(param.shape)), dtype=np.float32).reshape(param.shape)
@@ -246,8 +256,10 @@ def _compare(techniques, alongside=()) -> str | None:
             reason = technique.probe_finished(token)
             if reason is not None:
                 return reason
-        reason = _build_difference((ref_delta, ref_registered, ref_random, ref_state),
-                                   (cand_delta, cand_registered, cand_random, model_state(candidate)))
+        reason = _build_difference(
+            (ref_delta, ref_registered, ref_random, ref_state),
+            (cand_delta, cand_registered, cand_random, model_state(candidate)),
+        )
         if reason is not None:
             return reason
         values, *output = _probe_output(candidate)
@@ -271,8 +283,10 @@ def _compare_own(technique) -> str | None:
         reason = technique.probe_finished(token)
         if reason is not None:
             return reason
-        reason = _build_difference((plain_delta, plain_registered, plain_random, model_state(plain)),
-                                   (cand_delta, cand_registered, cand_random, model_state(candidate)))
+        reason = _build_difference(
+            (plain_delta, plain_registered, plain_random, model_state(plain)),
+            (cand_delta, cand_registered, cand_random, model_state(candidate)),
+        )
         if reason is not None:
             return reason
         plain_values, cand_values = technique.probe_values(plain), technique.probe_values(candidate)

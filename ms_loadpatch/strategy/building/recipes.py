@@ -103,9 +103,14 @@ class RecipeWriter:
                 if not all(type(k) in SCALARS for k, _ in entries):
                     raise Unclonable("a dict with object keys")
             return ("container", slot, kind, entries, id(value))
-        if isinstance(value, type) or kind.__name__ in ("function", "builtin_function_or_method") \
-                and getattr(value, "__closure__", None) is None and getattr(value, "__self__", None) in (None,) \
-                or kind.__name__ == "builtin_function_or_method" and not hasattr(getattr(value, "__self__", None), "__dict__"):
+        if (
+            isinstance(value, type)
+            or kind.__name__ in ("function", "builtin_function_or_method")
+            and getattr(value, "__closure__", None) is None
+            and getattr(value, "__self__", None) in (None,)
+            or kind.__name__ == "builtin_function_or_method"
+            and not hasattr(getattr(value, "__self__", None), "__dict__")
+        ):
             return ("share", value)
         if hasattr(value, "__dict__") and not callable(value):
             # An object the cell refers to (the config an expert keeps): shared, and the recipe holds
@@ -117,14 +122,21 @@ class RecipeWriter:
         t = self.t
         init_tensor = param.init_mode
         init = getattr(init_tensor, "init", None)
-        if not param.has_init or init is None or type(init).__dict__.get("__slots__") \
-                or not isinstance(init, t.initializer_class):
+        if (
+            not param.has_init
+            or init is None
+            or type(init).__dict__.get("__slots__")
+            or not isinstance(init, t.initializer_class)
+        ):
             raise Unclonable("a parameter that is not lazy")
         if any(type(v) not in SCALARS for v in vars(init).values() if type(v) is not dict):
             raise Unclonable("an initializer holding objects")
         slot = self._slot(param)
-        flags = dict(requires_grad=param.requires_grad, layerwise_parallel=param.layerwise_parallel,
-                     parallel_optimizer=param.parallel_optimizer)
+        flags = dict(
+            requires_grad=param.requires_grad,
+            layerwise_parallel=param.layerwise_parallel,
+            parallel_optimizer=param.parallel_optimizer,
+        )
         shape, dtype = tuple(init_tensor.shape), init_tensor.dtype
         with draws.suspended():  # a scratch parameter the plain build never makes: no draw
             fresh = t.parameter_class(t.initializer(copy_initializer(init), shape, dtype), name=param.name, **flags)

@@ -38,8 +38,10 @@ class SiblingClone(Technique):
     each call (a config changed between builds starts the learning over)."""
 
     name = "sibling-clone"
-    description = ("cells built again with the same arguments (each expert of a MoE layer) copied from a recipe "
-                   "checked against real builds")
+    description = (
+        "cells built again with the same arguments (each expert of a MoE layer) copied from a recipe "
+        "checked against real builds"
+    )
     # A cell whose first build copied this many cells from recipes (an MoE
     # block of copied experts) gets no recipe of its own: learning one costs
     # two more recipes written, a copy and two state comparisons of its whole subtree
@@ -123,14 +125,17 @@ class SiblingClone(Technique):
     def _key(self, cls, args, kwargs):
         """A hashable key of the call, and the config-like objects to snapshot; None: not matchable."""
         parts, configs = [cls], []
-        for value in (args if not kwargs else (*args, *(v for _, v in sorted(kwargs.items())))):
+        for value in args if not kwargs else (*args, *(v for _, v in sorted(kwargs.items()))):
             kind = type(value)
             if kind in SCALARS:
                 parts.append((kind, value))
             elif kind is tuple and all(type(v) in SCALARS for v in value):
                 parts.append((kind, value))
-            elif isinstance(value, (self.cell_class, self.tensor_class, self.primitive_class)) \
-                    or not hasattr(value, "__dict__") or isinstance(value, type):
+            elif (
+                isinstance(value, (self.cell_class, self.tensor_class, self.primitive_class))
+                or not hasattr(value, "__dict__")
+                or isinstance(value, type)
+            ):
                 return None
             else:
                 parts.append(("object", id(value), tuple(map(id, vars(value).values()))))
@@ -144,8 +149,10 @@ class SiblingClone(Technique):
     def _config_snapshot(configs):
         import copy
 
-        return [(value, [(k, copy.deepcopy(v) if type(v) in (dict, list, set) else v) for k, v in vars(value).items()])
-                for value in configs]
+        return [
+            (value, [(k, copy.deepcopy(v) if type(v) in (dict, list, set) else v) for k, v in vars(value).items()])
+            for value in configs
+        ]
 
     @staticmethod
     def _configs_unchanged(snapshot) -> bool:
@@ -180,8 +187,10 @@ class SiblingClone(Technique):
             copies_inside = self.cloned - copies_before
             if copies_inside >= self.COPIES_INSIDE_LIMIT:
                 self.entries[key] = ("never", None, None)
-                self.reasons.setdefault(cls, f"its first build copied {copies_inside} cells: built by __init__, "
-                                             "its own repeated cells copied")
+                self.reasons.setdefault(
+                    cls,
+                    f"its first build copied {copies_inside} cells: built by __init__, its own repeated cells copied",
+                )
             else:
                 self.entries[key] = ("seen", None, None)
             return None
@@ -201,8 +210,11 @@ class SiblingClone(Technique):
         learnt = {key[0] for key, entry in self.entries.items() if entry[0] == "recipe"}
         for cls, (builds, copies) in self.builds.items():
             if builds > 1 and not copies:
-                default = ("copied only within the cells that hold it" if cls in learnt
-                           else "every call had other arguments (e.g. a layer index)")
+                default = (
+                    "copied only within the cells that hold it"
+                    if cls in learnt
+                    else "every call had other arguments (e.g. a layer index)"
+                )
                 not_copied[f"{cls.__module__}.{cls.__qualname__}"] = self.reasons.get(cls, default)
         return {"cells_copied": sum(copies for _, copies in self.builds.values()), "not_copied": not_copied}
 
@@ -317,4 +329,3 @@ class SiblingClone(Technique):
                 made[slot] = value
             return value
         raise AssertionError(kind)
-

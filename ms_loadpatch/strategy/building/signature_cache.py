@@ -26,8 +26,12 @@ class _CachedSignatureInspect:
         if args or kwargs or window.state.builder != threading.get_ident() or type(fn) is not types.FunctionType:
             return self._real.signature(fn, *args, **kwargs)
         entry = self._cache.get(fn)
-        if entry is not None and entry[0] is fn.__code__ and entry[1] is fn.__defaults__ \
-                and entry[2] is fn.__kwdefaults__:
+        if (
+            entry is not None
+            and entry[0] is fn.__code__
+            and entry[1] is fn.__defaults__
+            and entry[2] is fn.__kwdefaults__
+        ):
             return entry[3]
         result = self._real.signature(fn)
         self._cache[fn] = (fn.__code__, fn.__defaults__, fn.__kwdefaults__, result)
@@ -53,9 +57,11 @@ class SignatureCache(Technique):
         from mindspore import nn, ops
 
         modules = []
-        for label, fn in (("prim_attr_register", getattr(ops, "prim_attr_register", None)),
-                          ("prim_arg_register", getattr(ops, "prim_arg_register", None)),
-                          ("nn.Dense.__init__ (cell_attr_register)", vars(nn.Dense).get("__init__"))):
+        for label, fn in (
+            ("prim_attr_register", getattr(ops, "prim_attr_register", None)),
+            ("prim_arg_register", getattr(ops, "prim_arg_register", None)),
+            ("nn.Dense.__init__ (cell_attr_register)", vars(nn.Dense).get("__init__")),
+        ):
             module = getattr(fn, "__globals__", None)
             if module is None or module.get("inspect") is not inspect:
                 raise ProbeFailed(f"{label}'s module does not use the inspect module by that name")
@@ -76,5 +82,8 @@ class SignatureCache(Technique):
             module["inspect"] = shim._real
 
     def leftovers(self):
-        return [f"{m.get('__name__')} still uses the cached inspect" for m in self.modules
-                if isinstance(m.get("inspect"), _CachedSignatureInspect)]
+        return [
+            f"{m.get('__name__')} still uses the cached inspect"
+            for m in self.modules
+            if isinstance(m.get("inspect"), _CachedSignatureInspect)
+        ]

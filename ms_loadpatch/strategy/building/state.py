@@ -29,9 +29,17 @@ def _types():
 
 def _kind_of(kind: type) -> int:
     cell_type, parameter_type, tensor_type, primitive_type = _mindspore_types or _types()
-    kinds = ((_SCALARS, _SCALAR), (type, _CLASS), (cell_type, _CELL), (parameter_type, _PARAMETER),
-             (tensor_type, _TENSOR), (primitive_type, _PRIMITIVE), (dict, _DICT), ((list, tuple), _SEQUENCE),
-             ((set, frozenset), _SET))
+    kinds = (
+        (_SCALARS, _SCALAR),
+        (type, _CLASS),
+        (cell_type, _CELL),
+        (parameter_type, _PARAMETER),
+        (tensor_type, _TENSOR),
+        (primitive_type, _PRIMITIVE),
+        (dict, _DICT),
+        ((list, tuple), _SEQUENCE),
+        ((set, frozenset), _SET),
+    )
     for base, code in kinds:  # noqa: B007 - `code` is read after the break
         if issubclass(kind, base):
             break
@@ -65,20 +73,43 @@ def comparable(value, ids: dict, depth=0):
         return ("cell", ids[key][0])  # cells are compared one by one
     if kind == _PARAMETER:
         init_mode = value.init_mode
-        return ("param", type(value).__name__, value.name, tuple(value.shape), str(value.dtype), value.requires_grad,
-                value.has_init, value.layerwise_parallel, value.parallel_optimizer, value.is_init, value.init_flag,
-                value.requires_aggr, value.sliced,
-                comparable(getattr(init_mode, "init", None), ids, depth) if init_mode is not None else None,
-                comparable(vars(value), ids, depth))
+        return (
+            "param",
+            type(value).__name__,
+            value.name,
+            tuple(value.shape),
+            str(value.dtype),
+            value.requires_grad,
+            value.has_init,
+            value.layerwise_parallel,
+            value.parallel_optimizer,
+            value.is_init,
+            value.init_flag,
+            value.requires_aggr,
+            value.sliced,
+            comparable(getattr(init_mode, "init", None), ids, depth) if init_mode is not None else None,
+            comparable(vars(value), ids, depth),
+        )
     if kind == _TENSOR:
         if value.has_init:
             return ("lazy-tensor", tuple(value.shape), str(value.dtype), comparable(value.init, ids, depth))
-        return ("tensor", type(value).__qualname__, tuple(value.shape), str(value.dtype),
-                str(getattr(value, "device", None)), value.asnumpy().tobytes())
+        return (
+            "tensor",
+            type(value).__qualname__,
+            tuple(value.shape),
+            str(value.dtype),
+            str(getattr(value, "device", None)),
+            value.asnumpy().tobytes(),
+        )
     if kind == _PRIMITIVE:
         attributes = getattr(value, "get_attr_dict", None)  # the C++ side's attributes (add_prim_attr)
-        return ("primitive", type(value).__qualname__, value.name, comparable(vars(value), ids, depth),
-                comparable(attributes(), {}, depth) if callable(attributes) else None)
+        return (
+            "primitive",
+            type(value).__qualname__,
+            value.name,
+            comparable(vars(value), ids, depth),
+            comparable(attributes(), {}, depth) if callable(attributes) else None,
+        )
     if kind == _SET:
         return (type(value).__name__, sorted(repr(comparable(v, ids, depth)) for v in value))
     if hasattr(value, "__dict__"):
@@ -100,8 +131,9 @@ def _cells_and_names(model) -> list:
             continue
         seen.add(id(cell))
         out.append((name, cell))
-        children = [(f"{name}.{key}" if name else key, child) for key, child in cell._cells.items()
-                    if child is not None]
+        children = [
+            (f"{name}.{key}" if name else key, child) for key, child in cell._cells.items() if child is not None
+        ]
         stack += reversed(children)
     return out
 
@@ -118,8 +150,16 @@ def model_state(model, skip=(PER_INSTANCE_TIME,)) -> list:
     for name, cell in cells:
         state = [(k, "<per-instance>" if k in skip else comparable(v, ids)) for k, v in vars(cell).items()]
         mixed = getattr(cell, "get_mixed_precision_type", None)  # C++ side of the cell (flags live in __dict__)
-        out.append((name, type(cell).__qualname__, cell.cls_name, cell._cell_tag,
-                    repr(mixed()) if callable(mixed) else None, state))
+        out.append(
+            (
+                name,
+                type(cell).__qualname__,
+                cell.cls_name,
+                cell._cell_tag,
+                repr(mixed()) if callable(mixed) else None,
+                state,
+            )
+        )
     params = [(n, comparable(p, {})) for n, p in model.parameters_and_names()]
     return [out, params]
 

@@ -61,8 +61,9 @@ def cell_method(name: str, known_names: frozenset):
     if unknown is None:
         raise ProbeFailed(f"nn.Cell.{name} is not a Python function")
     if unknown:
-        raise ProbeFailed(f"nn.Cell.{name} refers to {', '.join(unknown)}: side effects this technique does "
-                          "not reproduce")
+        raise ProbeFailed(
+            f"nn.Cell.{name} refers to {', '.join(unknown)}: side effects this technique does not reproduce"
+        )
     return nn.Cell, original
 
 

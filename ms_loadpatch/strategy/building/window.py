@@ -25,6 +25,7 @@ DEFAULT_START = 1000
 # cell it saves ~0.1 ms on each of those first cells.
 EARLY_START_TENSORS = 600
 
+
 class WindowState:
     """The open window, one object for the process (`state`): written here
     only, under CONSTRUCTION_LOCK; read by the techniques and the load report."""
@@ -55,9 +56,12 @@ def last_build() -> dict | None:
     if not state.notes and state.engaged_at is None:
         return None
     copies = state.notes.get("sibling-clone", {})
-    return {"engaged_at": state.engaged_at, "cells_copied": copies.get("cells_copied", 0),
-            "not_copied": dict(copies.get("not_copied", {})),
-            "host_tensors": state.notes.get("host-factories", {}).get("tensors", 0)}
+    return {
+        "engaged_at": state.engaged_at,
+        "cells_copied": copies.get("cells_copied", 0),
+        "not_copied": dict(copies.get("not_copied", {})),
+        "host_tensors": state.notes.get("host-factories", {}).get("tensors", 0),
+    }
 
 
 def window_open() -> bool:
