@@ -477,6 +477,23 @@ def test_replayed_draws_in_batches_give_the_unpatched_model_and_state(mixtral_la
     assert owing or mode != "copies-and-replays"  # copies owed their draws
 
 
+def test_a_copy_whose_subtree_is_over_the_limit_is_called_not_replayed(mixtral_lacking_experts, monkeypatch):
+    """A recipe's cell with more cells under it than SUBTREE_LIMIT (the
+    experts here, with the limit lowered) is never learnt: its copies get
+    real calls, fewer calls are replayed, and the model and generators are
+    the unpatched ones either way."""
+    replayed, default = {}, init_pass.SUBTREE_LIMIT
+    for limit in (default, 2):
+        monkeypatch.setattr(init_pass, "SUBTREE_LIMIT", limit)
+        ms.set_seed(6)
+        ref, acc = load_both(lambda: mt.MixtralForCausalLM.from_pretrained(mixtral_lacking_experts))
+        assert_same_model(ref, acc)
+        replayed[limit] = last_report().init_calls_replayed
+    expert = acc.model.layers[0].block_sparse_moe.experts[1]
+    assert init_pass._subtree_state(expert) is None  # 5 cells, limit 2
+    assert 0 < replayed[2] < replayed[default], replayed
+
+
 def test_owed_draws_come_before_a_draw_taken_at_once():
     """While a copy owes its draws, a parameter whose draw is not owed (its
     initializer not seen drawing yet) takes the owed ones first: the seeds

@@ -126,11 +126,25 @@ def _is_plain(cls, methods, names) -> bool:
     return plain
 
 
+def _plain_for(cls, name: str) -> bool:
+    """_is_plain(cls, LOOKUP_METHODS, (name,)), keyed for the per-cell calls below."""
+    plain = _plain_names.get((cls, name))
+    if plain is None:
+        plain = _plain_names[(cls, name)] = _is_plain(cls, LOOKUP_METHODS, (name,))
+    return plain
+
+
+_plain_names: dict[tuple, bool] = {}  # (class, name) -> _plain_for
+
+
 def has_attribute(cell, name: str) -> bool:
     """hasattr(cell, name), without raising on a plain cell that lacks it."""
-    if not _is_plain(type(cell), LOOKUP_METHODS, (name,)):
+    if not _plain_for(type(cell), name):
         return hasattr(cell, name)
-    instance_dict = cell.__dict__
+    return _plain_has(cell, cell.__dict__, name)
+
+
+def _plain_has(cell, instance_dict, name: str) -> bool:
     if name in instance_dict:
         return True
     for attr in GETATTR_DICTS:
@@ -144,7 +158,7 @@ def set_plain(cell, name: str, value) -> None:
     """setattr(cell, name, value) for a plain value (bool, int, str, dict):
     into the instance `__dict__`, where nn.Cell.__setattr__ would end in
     object.__setattr__."""
-    if not _is_plain(type(cell), LOOKUP_METHODS, (name,)) or type(value) not in _PLAIN_VALUES:
+    if not _plain_for(type(cell), name) or type(value) not in _PLAIN_VALUES:
         setattr(cell, name, value)
         return
     instance_dict = cell.__dict__
@@ -164,10 +178,12 @@ def lookups():
 def flag_value(cell, name: str):
     """getattr(cell, name, False), a plain cell's own flag read from its
     instance `__dict__` (where set_plain puts it), without nn.Cell.__getattr__'s raised miss."""
-    key = (type(cell), LOOKUP_METHODS, (name,))
-    if (_plain[key] if key in _plain else _is_plain(*key)) and name in cell.__dict__:
-        return cell.__dict__[name]
-    return has_attribute(cell, name) and getattr(cell, name, False)
+    if not _plain_for(type(cell), name):
+        return hasattr(cell, name) and getattr(cell, name, False)
+    instance_dict = cell.__dict__
+    if name in instance_dict:
+        return instance_dict[name]
+    return _plain_has(cell, instance_dict, name) and getattr(cell, name, False)
 
 
 def flag_lookups():

@@ -233,16 +233,23 @@ _SCALARS = (type(None), bool, int, float, str, np.floating, np.integer)
 _PARAMETER_SWITCHES = ("name", "requires_grad", "layerwise_parallel", "parallel_optimizer")
 
 
+SUBTREE_LIMIT = 64  # cells under a recipe's cell whose calls are learnt and replayed
+
+
 def _subtree_state(cell):
     """What a replay would not restore, over `cell` and the cells below it:
     their attributes and the entries of dict attributes by identity, each
     parameter's attributes (a lazy one's initializer aside) and switches,
     and the bytes of every real tensor (buffers, parameters built real).
-    None when some bytes cannot be read."""
+    None when some bytes cannot be read, or when the subtree has more than
+    SUBTREE_LIMIT cells (a block of experts: checking it costs more than
+    the few real calls on its copies)."""
     import mindspore as ms
 
     state = []
-    for _, sub in cell.cells_and_names():
+    for count, (_, sub) in enumerate(cell.cells_and_names()):
+        if count == SUBTREE_LIMIT:
+            return None
         for key, value in vars(sub).items():
             if key == _FLAG:
                 continue
