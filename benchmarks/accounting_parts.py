@@ -53,6 +53,11 @@ def main(argv=None) -> int:
 
     import ms_loadpatch
     from ms_loadpatch.strategy.building import draws, init_pass
+
+    try:
+        from ms_loadpatch.strategy.building import replays
+    except ImportError:  # a checkout from before replays.py
+        replays = None
     from ms_loadpatch.tools import bench
     from ms_loadpatch.tools._child import _fallbacks, _on_cpu, import_model_class, touch_all
 
@@ -68,7 +73,7 @@ def main(argv=None) -> int:
         "owed draws",
         lambda: " in the init pass" if in_pass else " of the build",
     )
-    _timed(init_pass._Replays, "_replay", totals, "replays")
+    _timed(getattr(replays, "Replays", None) or init_pass._Replays, "_replay", totals, "replays")
     run = init_pass.run
 
     def timed_run(*a, **k):

@@ -227,3 +227,61 @@ def test_status_lists_the_deferred_writes_row():
     with cpu_kernel_fallbacks():
         rows = {row["name"]: row for row in ms_loadpatch.status()["techniques"]}
     assert rows["deferred-writes"]["state"] == "active", rows["deferred-writes"]
+
+
+@pytest.fixture(scope="module")
+def qwen3_moe_lacking_late_experts(tmp_path_factory):
+    """A Qwen3-MoE of 16 experts a layer without weights of experts whose
+    init calls are replayed (the later copies of each layer)."""
+    from safetensors.numpy import load_file, save_file
+
+    cls, config = FAMILIES["qwen3-moe"]
+    sixteen = config()
+    sixteen.num_experts = 16
+    directory = save_family(cls, sixteen, str(tmp_path_factory.mktemp("replayed-writes") / "ckpt"))
+    path = os.path.join(directory, "model.safetensors")
+    tensors = load_file(path)
+    dropped = ("model.layers.0.mlp.experts.14.up_proj.weight", "model.layers.1.mlp.experts.15.gate_proj.weight")
+    for key in dropped:
+        del tensors[key]
+    save_file(tensors, path, metadata={"format": "np"})
+    return cls, directory
+
+
+@pytest.mark.parametrize("generator", ["default", "own"])
+def test_replayed_calls_record_their_writes_as_real_calls_do(qwen3_moe_lacking_late_experts, monkeypatch, generator):
+    """Copies whose init calls agreed on recording in-place writes get the
+    calls replayed: each write recorded again, a random one taking its step
+    of mindspore's default generator then. The experts the checkpoint lacks
+    are filled with those writes replayed, and the model and the generators
+    are the unpatched ones. A call stepping a generator of its own is never
+    replayed (a replay would step the default one)."""
+    from mindone.transformers.models.qwen3_moe import modeling_qwen3_moe
+
+    cls, directory = qwen3_moe_lacking_late_experts
+    again = []
+    record_again = deferred_writes.record_again
+    monkeypatch.setattr(deferred_writes, "record_again", lambda *a: again.append(a[4]) or record_again(*a))
+    if generator == "own":
+        own = ms.Generator()
+        init_weights = modeling_qwen3_moe.Qwen3MoePreTrainedModel._init_weights
+
+        def _init_weights(self, module):
+            if isinstance(module, ms.mint.nn.Linear):
+                own.manual_seed(3)
+                module.weight.data.normal_(mean=0.0, std=0.02, generator=own)
+            else:
+                init_weights(self, module)
+
+        monkeypatch.setattr(modeling_qwen3_moe.Qwen3MoePreTrainedModel, "_init_weights", _init_weights)
+    with cpu_kernel_fallbacks():
+        ms.set_seed(9)
+        ref, acc = load_both(lambda: cls.from_pretrained(directory))
+    assert_same_model(ref, acc)
+    report = last_report()
+    assert report.filled_in_init_pass == 0 and report.missing_initialised == 2, report.summary()
+    assert report.writes_deferred > 0 and report.cells_copied > 0, report.summary()
+    if generator == "default":
+        assert "normal_" in again and report.init_calls_replayed > 0, report.summary()
+    else:
+        assert "normal_" not in again

@@ -19,7 +19,7 @@ from safetensors.numpy import load_file, save_file
 from _helpers import tiny_qwen2_config
 import mindone.transformers as mt
 from ms_loadpatch.strategy import building
-from ms_loadpatch.strategy.building import batched_draws, draws, init_pass
+from ms_loadpatch.strategy.building import batched_draws, draws, init_pass, replays
 from ms_loadpatch.strategy.building.lazy import lazy_parameters
 from ms_loadpatch.strategy.context import last_report
 from ms_loadpatch.testing import assert_same_model, cpu_kernel_fallbacks, load_both
@@ -482,15 +482,15 @@ def test_a_copy_whose_subtree_is_over_the_limit_is_called_not_replayed(mixtral_l
     experts here, with the limit lowered) is never learnt: its copies get
     real calls, fewer calls are replayed, and the model and generators are
     the unpatched ones either way."""
-    replayed, default = {}, init_pass.SUBTREE_LIMIT
+    replayed, default = {}, replays.SUBTREE_LIMIT
     for limit in (default, 2):
-        monkeypatch.setattr(init_pass, "SUBTREE_LIMIT", limit)
+        monkeypatch.setattr(replays, "SUBTREE_LIMIT", limit)
         ms.set_seed(6)
         ref, acc = load_both(lambda: mt.MixtralForCausalLM.from_pretrained(mixtral_lacking_experts))
         assert_same_model(ref, acc)
         replayed[limit] = last_report().init_calls_replayed
     expert = acc.model.layers[0].block_sparse_moe.experts[1]
-    assert init_pass._subtree_state(expert) is None  # 5 cells, limit 2
+    assert replays.subtree_state(expert) is None  # 5 cells, limit 2
     assert 0 < replayed[2] < replayed[default], replayed
 
 

@@ -107,6 +107,21 @@ def recorded(param, via_data, index, kind, args, kwargs, kinds):
     return Write(via_data, index, kind, values)
 
 
+def record_again(ledger, tensor, via_data, index, kind, args) -> None:
+    """A write a learnt init call recorded, recorded on `tensor` as the call
+    would (a random one takes its generator step now, from mindspore's
+    default generator, as `recorded` does)."""
+    if kind in RANDOM_WRITES:
+        from mindspore.ops.function import random_func
+
+        seed, offset = random_func.default_generator._step(random_func.generator_step_)  # pylint: disable=protected-access
+        args = args + (seed, offset)
+    entry = ledger.writes.get(id(tensor))
+    if entry is None:
+        entry = ledger.writes[id(tensor)] = (tensor, RecordedWrites())
+    entry[1].append(Write(via_data, index, kind, args))
+
+
 def _bound(names, defaults, args, kwargs):
     if len(args) > len(names) or set(kwargs) - set(names):
         return None
@@ -261,6 +276,8 @@ class Recorder:
             entry = self.ledger.writes[id(tensor)] = (tensor, RecordedWrites())
         entry[1].append(write)
         self.counts.deferred += 1
+        if self.ledger.assignments is not None:  # a call init_pass is learning: the write in its order
+            self.ledger.assignments.append((param, tensor, write, kwargs.get("generator") is None))
         return True
 
     def data(self, param, frame):

@@ -5,31 +5,26 @@ touches it.
 An `_init_weights` mostly gives a parameter a new initializer
 (`param.set_data(initializer(Normal(std), ...))`): on a lazy parameter that
 keeps it lazy, and the ledger (draws.py) takes the draw the plain pass makes
-filling it. Anything else that reaches a lazy parameter's data during the
-pass (`param.data`, indexing into it, an in-place method such as `normal_`
-or `fill_`) first fills it from its initializer with its own seed, as the
-plain build holds it, then runs as written: exact, slower only there
-(counted: `filling_on_touch`).
+filling it. An in-place write deferred_writes models (`weight.data.normal_()`,
+`zero_`, `weight[pad] = 0`) is recorded with its generator step. Anything
+else that reaches a lazy parameter's data during the pass first fills it
+from its initializer with its own seed, as the plain build holds it, then
+runs as written: exact, slower only there (counted: `filling_on_touch`).
 
-Cells sibling-clone copied from one recipe are alike: once real calls on
-three of them did the same and only that (each of the cell's own lazy
-parameters given a new initializer of the same shape and dtype, the draws
-taken in order and nothing else drawn from numpy, Python's `random` or
-mindspore's generators, no data touched, the attributes, parameters' state
-and buffers of the cell's subtree unchanged), the call on the others is
-replayed (`_Replays`): the same initializers and draws, without the call.
+Calls on cells sibling-clone copied from one recipe are replayed once three
+real ones agreed (replays.py): the same initializers, draws and recorded
+writes, without the call.
 """
 
 from __future__ import annotations
 
 import contextlib
-import random
 import threading
 
-import numpy as np
 
 from .. import switch
 from . import batched_draws, deferred_writes
+from .replays import Replays, plain_cell
 
 BATCHED_DRAWS = batched_draws.NAME
 
@@ -79,11 +74,11 @@ def run(
     one recipe are replayed once three real ones agreed; with `owe_draws`
     (is_done and mark_done run no code but the plugin's on a plain cell),
     replays' draws are owed and taken as one batch before anything else runs."""
-    replays = _Replays(ledger, counts, owe_draws) if ledger is not None and copied_from is not None else None
+    replays = Replays(ledger, counts, owe_draws) if ledger is not None and copied_from is not None else None
     settle = ledger.take_owed_draws if replays is not None else (lambda: None)
 
     def one(cell):
-        if replays is not None and ledger.owed and not _plain_cell(type(cell)):
+        if replays is not None and ledger.owed and not plain_cell(type(cell)):
             settle()  # its flag's lookup may run the class's own code
         if is_done is not None and is_done(cell):
             return
@@ -106,176 +101,6 @@ def run(
                 one(cell)
     finally:
         settle()  # the draws of calls made before a failure, as the plain pass took them
-
-
-_plain_cells: dict[type, bool] = {}
-
-
-def _plain_cell(cls) -> bool:
-    """Attribute lookups and writes on `cls` are nn.Cell's (no code of the class's own runs)."""
-    plain = _plain_cells.get(cls)
-    if plain is None:
-        from mindspore import nn
-
-        plain = _plain_cells[cls] = (
-            cls.__getattribute__ is object.__getattribute__
-            and cls.__getattr__ is nn.Cell.__getattr__
-            and cls.__setattr__ is nn.Cell.__setattr__
-            and not any(_FLAG in vars(klass) for klass in cls.__mro__)
-        )
-    return plain
-
-
-_FLAG = "_is_hf_initialized"
-
-
-class _Replays:
-    """Per sibling-clone recipe: the effect real calls agreed on, replayed on the later copies."""
-
-    AGREEING_CALLS = 3  # real calls with one effect before it is replayed
-
-    def __init__(self, ledger, counts, owe_draws=False):
-        self.ledger, self.counts = ledger, counts
-        self.owe = owe_draws and ledger.batching()
-        self.entries: dict[int, list] = {}  # id(recipe) -> [effect, real calls agreeing (-1: never), recipe]
-
-    @contextlib.contextmanager
-    def one_by_one(self):
-        """Draws taken at once while code not the plugin's runs between calls (a class's own apply)."""
-        owe, self.owe = self.owe, False
-        try:
-            yield
-        finally:
-            self.owe = owe
-
-    def call(self, cell, source, initialize) -> None:
-        entry = self.entries.get(id(source))
-        if entry is None:
-            entry = self.entries[id(source)] = [None, 0, source]
-        if entry[1] >= self.AGREEING_CALLS and self._replay(cell, entry[0]):
-            self.counts.replayed += 1
-            return
-        self.ledger.take_owed_draws()  # before a real call, which may draw
-        if entry[1] < 0 or entry[1] >= self.AGREEING_CALLS:
-            initialize(cell)
-            return
-        effect = self._recorded(cell, initialize)
-        if effect is None or (entry[0] is not None and effect != entry[0]):
-            entry[1] = -1
-        else:
-            entry[0], entry[1] = effect, entry[1] + 1
-
-    def _recorded(self, cell, initialize):
-        """Calls initialize(cell); returns its effect, or None when it did
-        anything a replay would not do."""
-        ledger = self.ledger
-        params = {attr: p for attr, p in (cell.__dict__.get("_params") or {}).items() if p is not None}
-        subtree = _subtree_state(cell)
-        if subtree is None or not all(p.has_init for p in params.values()):
-            initialize(cell)
-            return None
-        own = {id(p): attr for attr, p in params.items()}
-        before = {attr: p.init_mode for attr, p in params.items()}
-        random_state, python_state = np.random.get_state(), random.getstate()
-        counts = self.counts
-        before_counts = (counts.filled, counts.deferred, counts.generator_steps, ledger.run_in_full)
-        ledger.assignments = []
-        try:
-            initialize(cell)
-        finally:
-            assignments, ledger.assignments = ledger.assignments, None
-        if (
-            before_counts != (counts.filled, counts.deferred, counts.generator_steps, ledger.run_in_full)
-            or python_state != random.getstate()
-            or _subtree_state(cell) != subtree
-        ):
-            return None
-        effect, replayed = [], np.random.RandomState()
-        replayed.set_state(random_state)
-        for param, tensor in assignments:
-            attr, old, init = own.get(id(param)), before.get(own.get(id(param))), tensor.init
-            if attr is None or old is None or init is None or (tensor.shape, tensor.dtype) != (old.shape, old.dtype):
-                return None
-            drew = ledger.drew(tensor)
-            if drew:  # the draw must be the one the ledger took, in this order
-                if replayed.randint(low=1, high=(1 << 63), dtype=np.int64) != ledger.seeds[id(tensor)][1]:
-                    return None
-            elif type(init) not in ledger.classes[0]:
-                return None
-            state = [(k, dict(v) if type(v) is dict else v) for k, v in vars(init).items()]
-            if not all(_plain_value(v) for _, v in state):
-                return None
-            effect.append((attr, type(init), state, tensor.shape, tensor.dtype, drew))
-        same_draws = batched_draws.same_numpy_state(replayed.get_state(), np.random.get_state())
-        if len({item[0] for item in effect}) != len(effect) or not same_draws:
-            return None
-        return effect
-
-    def _replay(self, cell, effect) -> bool:
-        params = cell.__dict__.get("_params") or {}
-        targets = []
-        for attr, kind, state, shape, dtype, drew in effect:
-            param = params.get(attr)
-            tensor = param.init_mode if param is not None and param.has_init else None
-            if tensor is None or tensor.init is None or tensor.shape != shape or tensor.dtype != dtype:
-                return False
-            targets.append((tensor, kind, state, drew))
-        owe = self.owe and _plain_cell(type(cell))
-        for tensor, kind, state, drew in targets:
-            init = object.__new__(kind)
-            init.__dict__.update({k: dict(v) if type(v) is dict else v for k, v in state})
-            self.ledger.reinitialize(tensor, init, drew, owe)
-        return True
-
-
-_SCALARS = (type(None), bool, int, float, str, np.floating, np.integer)
-# a parameter's own state besides its initializer (init_mode, what a replay gives back)
-_PARAMETER_SWITCHES = ("name", "requires_grad", "layerwise_parallel", "parallel_optimizer")
-
-
-SUBTREE_LIMIT = 64  # cells under a recipe's cell whose calls are learnt and replayed
-
-
-def _subtree_state(cell):
-    """What a replay would not restore, over `cell` and the cells below it:
-    their attributes and the entries of dict attributes by identity, each
-    parameter's attributes (a lazy one's initializer aside) and switches,
-    and the bytes of every real tensor (buffers, parameters built real).
-    None when some bytes cannot be read, or when the subtree has more than
-    SUBTREE_LIMIT cells (a block of experts: checking it costs more than
-    the few real calls on its copies)."""
-    import mindspore as ms
-
-    state = []
-    for count, (_, sub) in enumerate(cell.cells_and_names()):
-        if count == SUBTREE_LIMIT:
-            return None
-        for key, value in vars(sub).items():
-            if key == _FLAG:
-                continue
-            state.append((key, id(value)))
-            if isinstance(value, dict):  # _params, _cells, _buffers: OrderedDicts
-                state.append(tuple((k, id(v)) for k, v in value.items()))
-                values = value.values()
-            else:
-                values = (value,)
-            for item in values:
-                lazy = isinstance(item, ms.Parameter) and item.has_init
-                if isinstance(item, ms.Parameter):
-                    state.append(tuple((k, id(v)) for k, v in vars(item).items() if not (lazy and k == "init_mode")))
-                    state.append(tuple(getattr(item, name, None) for name in _PARAMETER_SWITCHES))
-                if isinstance(item, ms.Tensor) and not lazy:
-                    try:
-                        state.append(item.asnumpy().tobytes())
-                    except Exception:  # a tensor whose bytes are not readable here: never replayed
-                        return None
-    return state
-
-
-def _plain_value(value) -> bool:
-    if type(value) is dict:
-        return all(isinstance(v, _SCALARS) for v in value.values())
-    return isinstance(value, _SCALARS) or type(value) is tuple and all(isinstance(v, _SCALARS) for v in value)
 
 
 class PassCounts:
