@@ -8,8 +8,8 @@ Cases as bench_ab.py's (`bench`, `moe`, `qwen2`, an MoE family). The load
 report's phases (wall clock, without the profiler) come first; then the
 profile's own time per plugin module (tottime summed: the profiler's cost
 per call inflates modules with many small calls, so read the shares, not
-the seconds), with the random-state accounting (draws.py, draw_patches.py, init_pass.py,
-deferred_writes.py) summed; then the accounting's functions and all
+the seconds), with the random-state accounting (ACCOUNTING's modules)
+summed; then the accounting's functions and all
 functions with the most cumulative time.
 """
 
@@ -26,7 +26,14 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 sys.path.insert(0, HERE)
 
-ACCOUNTING = ("building/draws.py", "building/draw_patches.py", "building/init_pass.py", "building/deferred_writes.py")
+ACCOUNTING = (
+    "building/draws.py",
+    "building/draw_patches.py",
+    "building/batched_draws.py",
+    "building/init_pass.py",
+    "building/replays.py",
+    "building/deferred_writes.py",
+)
 
 
 def main(argv=None) -> int:
@@ -76,7 +83,7 @@ def main(argv=None) -> int:
     accounting = sum(own for name, own in by_module.items() if name.replace(os.sep, "/").endswith(ACCOUNTING))
     print(f"random-state accounting ({', '.join(ACCOUNTING)}): {accounting:.3f} s, {accounting / total:.1%}")
     print("\nthe accounting's functions by cumulative time (their calls into mindspore and numpy included):")
-    stats.sort_stats("cumulative").print_stats("draws.py|init_pass.py|deferred_writes.py", args.top)
+    stats.sort_stats("cumulative").print_stats("draws.py|init_pass.py|replays.py|deferred_writes.py", args.top)
     print("every function by cumulative time:")
     stats.sort_stats("cumulative").print_stats(args.top)
     return 0
