@@ -116,10 +116,15 @@ def record_again(ledger, tensor, via_data, index, kind, args) -> None:
 
         seed, offset = random_func.default_generator._step(random_func.generator_step_)  # pylint: disable=protected-access
         args = args + (seed, offset)
+    _keep(ledger, tensor, Write(via_data, index, kind, args))
+
+
+def _keep(ledger, tensor, write) -> None:
+    """`write` appended to the ledger's writes for `tensor`."""
     entry = ledger.writes.get(id(tensor))
     if entry is None:
         entry = ledger.writes[id(tensor)] = (tensor, RecordedWrites())
-    entry[1].append(Write(via_data, index, kind, args))
+    entry[1].append(write)
 
 
 def _bound(names, defaults, args, kwargs):
@@ -271,10 +276,7 @@ class Recorder:
         write = recorded(param, via_data, index, kind, args, kwargs, self.kinds)
         if write is None:
             return False
-        entry = self.ledger.writes.get(id(tensor))
-        if entry is None:
-            entry = self.ledger.writes[id(tensor)] = (tensor, RecordedWrites())
-        entry[1].append(write)
+        _keep(self.ledger, tensor, write)
         self.counts.deferred += 1
         if self.ledger.assignments is not None:  # a call init_pass is learning: the write in its order
             self.ledger.assignments.append((param, tensor, write, kwargs.get("generator") is None))

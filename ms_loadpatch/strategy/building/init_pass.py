@@ -21,7 +21,6 @@ from __future__ import annotations
 import contextlib
 import threading
 
-
 from .. import switch
 from . import batched_draws, deferred_writes
 from .replays import Replays, plain_cell
