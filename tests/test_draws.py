@@ -405,6 +405,28 @@ def test_owed_draws_take_randint_when_the_words_are_not_usable(monkeypatch):
     assert not taken and other[0] == words[0]
 
 
+def test_a_large_batch_is_one_randint(monkeypatch):
+    """A batch over WORDS_UP_TO (an init pass's replayed draws) is one randint,
+    cheaper there than the words; a small one is made from the words. Both
+    give the numbers and state of as many `_numpy_seed` calls."""
+    assert batched_draws.words_usable()
+    taken = []
+    seeds_from_words = batched_draws.seeds_from_words
+    monkeypatch.setattr(batched_draws, "seeds_from_words", lambda g, n: taken.append(n) or seeds_from_words(g, n))
+    outer = np.random.get_state()
+    try:
+        for n in (batched_draws.WORDS_UP_TO, batched_draws.WORDS_UP_TO + 1, 5000):
+            np.random.seed(n)
+            singles = [np.random.randint(low=1, high=1 << 63, dtype=np.int64) for _ in range(n)]
+            after = np.random.get_state()
+            np.random.seed(n)
+            assert [int(v) for v in batched_draws.take(n)] == singles
+            assert batched_draws.same_numpy_state(after, np.random.get_state())
+    finally:
+        np.random.set_state(outer)
+    assert taken == [batched_draws.WORDS_UP_TO]
+
+
 def test_a_seed_made_from_words_reaches_the_initializer_as_randint_gives_it(monkeypatch):
     """Owed seeds are kept as Python ints; the initializer filling a lazy
     tensor gets its seed back as the np.int64 `_numpy_seed` returns."""

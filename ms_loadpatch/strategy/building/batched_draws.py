@@ -172,9 +172,12 @@ def allowed() -> bool:
     return not switch.is_off(NAME) and problem() is None
 
 
+WORDS_UP_TO = 64  # batches made from words; a larger one costs less as one randint than as Python ints
+
+
 def take(n: int):
     """n seeds, as n `_numpy_seed()` calls give them, in one call (allowed() first)."""
-    generator = _global_mt19937() if words_usable() else None
-    if generator is not None:  # randint's argument checks and reduction cost more than the draws
+    generator = _global_mt19937() if n <= WORDS_UP_TO and words_usable() else None
+    if generator is not None:  # for a copy's few draws, randint's argument checks cost more than the draws
         return seeds_from_words(generator, n)
     return np.random.randint(low=1, high=_SEED_HIGH, dtype=np.int64, size=n)
