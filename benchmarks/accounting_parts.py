@@ -1,6 +1,13 @@
 """The random-state accounting's parts, timed inside one patched load (no
 profiler): the init-pass phase and each of its passes, the replays, the
-build's draws (`Ledger.take`) and the owed draws taken in batches.
+build's draws (`Ledger.take`), the owed draws taken in batches, and the
+once-per-process probes the accounting runs outside the init pass.
+
+Each part is timed twice: wall clock, and the building thread's CPU time
+(`time.thread_time`). The load reads its checkpoint in other threads
+meanwhile, so a part's wall time includes waits for the GIL that the same
+load would spend elsewhere without the accounting; its CPU time does not.
+A probe run in a thread of its own (deferred_writes') counts by wall time.
 
     python benchmarks/accounting_parts.py --case moe
     PYTHONPATH=<another checkout> python benchmarks/accounting_parts.py --case moe
@@ -29,18 +36,25 @@ def checkpoint_path(case: str) -> str:
 
 
 def _timed(owner, name, totals, key, where=None):
-    """owner.name timed into totals[key] (`where()`: a suffix naming where the call is)."""
+    """owner.name timed into totals[key] as [wall, CPU] seconds (`where()`:
+    a suffix naming where the call is). Nested calls count once."""
     original = getattr(owner, name, None)
     if original is None:  # a checkout without it
         return
+    depth = [0]
 
     def timed(*args, **kwargs):
-        start = time.perf_counter()
+        depth[0] += 1
+        start, cpu = time.perf_counter(), time.thread_time()
         try:
             return original(*args, **kwargs)
         finally:
-            full = key + (where() if where else "")
-            totals[full] = totals.get(full, 0.0) + time.perf_counter() - start
+            depth[0] -= 1
+            if not depth[0]:
+                full = key + (where() if where else "")
+                spent = totals.setdefault(full, [0.0, 0.0])
+                spent[0] += time.perf_counter() - start
+                spent[1] += time.thread_time() - cpu
 
     setattr(owner, name, timed)
 
@@ -52,7 +66,12 @@ def main(argv=None) -> int:
     path = checkpoint_path(args.case)
 
     import ms_loadpatch
-    from ms_loadpatch.strategy.building import draws, init_pass
+    from ms_loadpatch.strategy.building import deferred_writes, draws, init_pass
+
+    try:
+        from ms_loadpatch.strategy.building import batched_draws
+    except ImportError:  # a checkout from before batched_draws.py
+        from ms_loadpatch.strategy.building import draws as batched_draws
 
     try:
         from ms_loadpatch.strategy.building import replays
@@ -65,7 +84,9 @@ def main(argv=None) -> int:
     cls, _ = import_model_class(spec)
     totals: dict[str, float] = {}
     passes, in_pass = [], []
-    _timed(draws.Ledger, "take", totals, "build draws (Ledger.take)")
+    _timed(
+        draws.Ledger, "take", totals, "draws (Ledger.take)", lambda: " in the init pass" if in_pass else " of the build"
+    )
     _timed(
         draws.Ledger,
         "take_owed_draws",
@@ -74,16 +95,20 @@ def main(argv=None) -> int:
         lambda: " in the init pass" if in_pass else " of the build",
     )
     _timed(getattr(replays, "Replays", None) or init_pass._Replays, "_replay", totals, "replays")
+    where = lambda: " in the init pass" if in_pass else " outside the init pass"  # noqa: E731
+    _timed(deferred_writes, "verified", totals, "deferred-writes probe", where)
+    _timed(batched_draws, "problem", totals, "batched-draws probe", where)
+    _timed(draws, "verified_classes", totals, "draw classes probe", where)
     run = init_pass.run
 
     def timed_run(*a, **k):
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), time.thread_time()
         in_pass.append(True)
         try:
             return run(*a, **k)
         finally:
             in_pass.pop()
-            passes.append(time.perf_counter() - start)
+            passes.append((time.perf_counter() - start, time.thread_time() - cpu))
 
     init_pass.run = timed_run
     with _fallbacks(_on_cpu()):
@@ -95,16 +120,24 @@ def main(argv=None) -> int:
     print(f"{args.case}: ms_loadpatch from {os.path.dirname(ms_loadpatch.__file__)}")
     print(
         f"  load {seconds:.3f} s; init-pass phase {report.phases.get('init-pass', 0.0):.3f} s "
-        f"(passes {', '.join(f'{p:.3f}' for p in passes)} s)"
+        f"(passes {', '.join(f'{wall:.3f}' for wall, _ in passes)} s wall, "
+        f"{', '.join(f'{cpu:.3f}' for _, cpu in passes)} s CPU)"
     )
-    for key, value in totals.items():
-        print(f"  {key}: {value:.3f} s")
-    accounting = (
-        report.phases.get("init-pass", 0.0)
-        + totals.get("build draws (Ledger.take)", 0.0)
-        + totals.get("owed draws of the build", 0.0)
+    for key, (wall, cpu) in totals.items():
+        print(f"  {key}: {wall:.3f} s wall, {cpu:.3f} s CPU")
+    build = ("draws (Ledger.take) of the build", "owed draws of the build")
+    probes = [key for key in totals if key.endswith(" outside the init pass")]
+    wall = report.phases.get("init-pass", 0.0) + sum(totals[key][0] for key in build + tuple(probes) if key in totals)
+    cpu = (
+        sum(p[1] for p in passes)
+        + sum(totals[key][1] for key in build if key in totals)
+        + sum(totals[key][0] for key in probes)  # a probe's thread may be another: its wall time
+        + totals.get("deferred-writes probe in the init pass", [0.0])[0]  # run in a thread of its own
     )
-    print(f"  init pass + the build's draws: {accounting:.3f} s, {accounting / seconds:.1%} of the load")
+    print(
+        f"  init pass + the build's draws + probes outside the pass: {wall:.3f} s wall, {wall / seconds:.1%} "
+        f"of the load; {cpu:.3f} s CPU, {cpu / seconds:.1%}"
+    )
     return 0
 
 

@@ -61,7 +61,7 @@ FAMILIES = {
     ),
     "llama-pad": (
         mt.LlamaForCausalLM,
-        lambda **kw: hf.LlamaConfig(intermediate_size=64, pad_token_id=1, **_SMALL, **kw),
+        lambda **kw: hf.LlamaConfig(intermediate_size=64, **{"pad_token_id": 1, **_SMALL, **kw}),
     ),
 }
 # families whose init pass writes in place into lazy parameters (Llama's writes go to its real embedding)

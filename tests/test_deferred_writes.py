@@ -285,3 +285,36 @@ def test_replayed_calls_record_their_writes_as_real_calls_do(qwen3_moe_lacking_l
         assert "normal_" in again and report.init_calls_replayed > 0, report.summary()
     else:
         assert "normal_" not in again
+
+
+def test_the_probe_waits_for_the_first_write_and_runs_in_a_thread_of_its_own(checkpoints, tmp_path, monkeypatch):
+    """A load whose init pass writes nothing in place (Llama without a
+    padding row) never probes; the first load that writes runs the probe
+    from inside its pass, in another thread (none of the building thread's
+    patches apply there), and still gives the unpatched model and random state."""
+    import threading
+
+    real_verify, probed_in = deferred_writes._verify, []
+
+    def verify():
+        probed_in.append(threading.current_thread())
+        return real_verify()
+
+    monkeypatch.setattr(deferred_writes, "_verified", None)
+    monkeypatch.setattr(deferred_writes, "_verify", verify)
+    llama, config = FAMILIES["llama-pad"]
+    plain = save_family(llama, config(pad_token_id=None), str(tmp_path / "llama"))
+    with cpu_kernel_fallbacks():
+        ms.set_seed(4)
+        ref, acc = load_both(lambda: llama.from_pretrained(plain))
+        assert_same_model(ref, acc)
+        assert probed_in == [] and deferred_writes._verified is None
+        cls = FAMILIES["qwen3-moe"][0]
+        ms.set_seed(6)
+        ref, acc = load_both(lambda: cls.from_pretrained(checkpoints["qwen3-moe", "lacking"]))
+        assert_same_model(ref, acc)
+        report = last_report()
+    assert len(probed_in) == 1 and probed_in[0] is not threading.current_thread()
+    assert report.filled_in_init_pass == 0 and report.writes_deferred > 0, report.summary()
+    assert "normal_" in deferred_writes._verified[0] and not probed_in[0].is_alive()
+    assert building.leftovers() == []

@@ -22,7 +22,7 @@ from .. import fingerprints
 from .calls import argument, inside_load
 from ..strategy import building, cellpasses, context
 from ..strategy.assign import assign, cast_parameters, cell_to_keeping_lazy, check_and_pair
-from ..strategy.building import deferred_writes, draws, init_pass, window
+from ..strategy.building import draws, init_pass, window
 from ..strategy.building.construction import (
     initialize_unloaded,
     lazy_construction,
@@ -187,7 +187,6 @@ def model_init(wrapped, instance, args, kwargs):
         ctx.construction_root = instance
         # the unpatched build runs every initializer: the lazy one takes their draws (kept until the load ends)
         ctx.ledger = draws.Ledger()
-        deferred_writes.usable_kinds()  # probed once, before the build launches anything
         ctx.cleanup.enter_context(draws.giving_back(ctx.ledger))
         ctx.exit_stack.enter_context(ctx.report.phase("construct"))
         ctx.exit_stack.enter_context(

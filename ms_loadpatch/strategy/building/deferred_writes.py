@@ -306,14 +306,50 @@ def usable_kinds() -> frozenset:
     return frozenset() if switch.is_off(NAME) else verified()[0]
 
 
+class LazyKinds:
+    """usable_kinds(), asked for at the first write a pass meets: a model
+    whose init pass writes nothing in place never runs the probe."""
+
+    __slots__ = ("_kinds",)
+
+    def __init__(self):
+        self._kinds = None
+
+    def __contains__(self, kind) -> bool:
+        if self._kinds is None:
+            self._kinds = usable_kinds()
+        return kind in self._kinds
+
+
 def verified() -> tuple[frozenset, dict]:
     """(kinds whose record and replay equal the real op here, {kind: why not} for the others)."""
     global _verified
     if _verified is None:
         with _verify_lock:
             if _verified is None:
-                _verified = _verify()
+                _verified = _in_own_thread(_verify)
     return _verified
+
+
+def _in_own_thread(probe):
+    """probe() in a thread of its own, waited for: asked from inside a
+    load's init pass, it meets none of the patches held for the building thread."""
+    result = []
+
+    def run():
+        try:
+            result.append(probe())
+        except Exception as exc:  # noqa: BLE001 - every kind failed the same way
+            result.append((frozenset(), {kind: f"{type(exc).__name__}: {exc}" for kind in KINDS}))
+
+    thread = threading.Thread(target=run, name="ms_loadpatch-deferred-writes-probe")
+    thread.start()
+    try:
+        thread.join()
+    except BaseException:  # an interrupt while waiting: the probe ends before this does
+        thread.join()
+        raise
+    return result[0]
 
 
 def _verify():

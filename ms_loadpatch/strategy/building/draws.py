@@ -105,11 +105,7 @@ class Ledger:
                 key = None
         if self.owed:
             self.take_owed_draws()  # the initializer below draws: the draws owed come first
-        from mindspore.common import dtype as mstype
-
-        # what Tensor.init_data fills (int8 holds qint4x2)
-        dtype = mstype.int8 if tensor.dtype == mstype.qint4x2 else tensor.dtype
-        scratch = np.ndarray(tensor.shape, dtype=mstype._dtype_to_nptype(dtype))
+        scratch = np.ndarray(tensor.shape, dtype=_numpy_type(tensor.dtype))
         if kind in one_draw:
             _local.capturing = True
             try:
@@ -168,6 +164,19 @@ class Ledger:
             for tensor, seed in zip(owed, batched_draws.take(len(owed))):
                 self.seeds[id(tensor)] = (tensor, seed)
             self.draws += len(owed)
+
+
+_numpy_types: dict = {}  # mindspore dtype -> numpy type (mindspore builds its table on every call)
+
+
+def _numpy_type(dtype):
+    """The numpy type Tensor.init_data fills for `dtype` (int8 holds qint4x2)."""
+    found = _numpy_types.get(dtype)
+    if found is None:
+        from mindspore.common import dtype as mstype
+
+        found = _numpy_types[dtype] = mstype._dtype_to_nptype(mstype.int8 if dtype == mstype.qint4x2 else dtype)
+    return found
 
 
 @contextlib.contextmanager

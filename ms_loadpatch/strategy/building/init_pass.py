@@ -30,15 +30,26 @@ BATCHED_DRAWS = batched_draws.NAME
 _APPLY_METHODS = ("apply", "cells", "name_cells")
 
 
+def walks_as_cell(cls) -> bool:
+    """`cls.apply` walks its children as nn.Cell's does (no method of the walk overridden)."""
+    plain = _walks_as_cell.get(cls)
+    if plain is None:
+        from mindspore import nn
+
+        base = vars(nn.Cell)
+        plain = _walks_as_cell[cls] = all(getattr(cls, name, None) is base[name] for name in _APPLY_METHODS)
+    return plain
+
+
+_walks_as_cell: dict[type, bool] = {}
+
+
 def cells_in_apply_order(root):
     """(cell, own) in the order `root.apply(fn)` calls fn: children first, in
     `name_cells()` order (each child once per parent, a cell shared by two
     parents under both). `own` is True for a cell whose class changes how
     apply walks: the caller then calls its `apply` for the whole subtree."""
-    from mindspore import nn
-
-    base = {name: vars(nn.Cell)[name] for name in _APPLY_METHODS}
-    plain: dict[type, bool] = {}
+    plain = _walks_as_cell
     stack = [(root, False)]
     while stack:
         cell, children_done = stack.pop()
@@ -46,9 +57,7 @@ def cells_in_apply_order(root):
             yield cell, False
             continue
         kind = type(cell)
-        if kind not in plain:
-            plain[kind] = all(getattr(kind, name, None) is base[name] for name in _APPLY_METHODS)
-        if not plain[kind]:
+        if not (plain[kind] if kind in plain else walks_as_cell(kind)):
             yield cell, True
             continue
         stack.append((cell, True))
@@ -116,7 +125,7 @@ def filling_on_touch(ledger=None):
     indexing into it, or calling an in-place method on it fills it first
     (Parameter.init_data; under a ledger, with its own seed). With a
     `ledger`, the in-place writes deferred_writes verified on this mindspore
-    are recorded into it instead. Yields the pass's PassCounts."""
+    are recorded into it instead (probed at the first such write). Yields the pass's PassCounts."""
     import sys
 
     import mindspore as ms
@@ -133,8 +142,8 @@ def filling_on_touch(ledger=None):
             counts.filled += 1
         return param
 
-    kinds = deferred_writes.usable_kinds() if ledger is not None else frozenset()
-    recorder = deferred_writes.Recorder(ledger, kinds, fill, counts) if kinds else None
+    use_recorder = ledger is not None and not switch.is_off(deferred_writes.NAME)
+    recorder = deferred_writes.Recorder(ledger, deferred_writes.LazyKinds(), fill, counts) if use_recorder else None
 
     data = next((vars(k)["data"] for k in cls.__mro__ if "data" in vars(k)), None)
     if data is not None:
@@ -149,7 +158,7 @@ def filling_on_touch(ledger=None):
 
         patched["data"] = _FillingData(read_data, lambda p, v: data.__set__(p, v))
     for name in _in_place_methods(ms) + ["__setitem__", "__getitem__"]:
-        patched[name] = _filling_first(cls, name, fill, recorder if name in kinds else None, builder)
+        patched[name] = _filling_first(cls, name, fill, recorder if name in deferred_writes.KINDS else None, builder)
     swaps = [(cls, name, value) for name, value in patched.items()]
     swaps.append((Generator, "_step", _counting_steps(vars(Generator)["_step"], counts, builder)))
     originals = [(owner, name, vars(owner)[name] if name in vars(owner) else None) for owner, name, _ in swaps]

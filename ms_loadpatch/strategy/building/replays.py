@@ -40,7 +40,7 @@ class Replays:
 
     def __init__(self, ledger, counts, owe_draws=False):
         self.ledger, self.counts = ledger, counts
-        self.owe = owe_draws and ledger.batching()
+        self.owe = owe_draws  # ledger.batching() asked at the first replay (its probe runs then)
         self.entries: dict[int, list] = {}  # id(recipe) -> [effect, real calls agreeing (-1: never), recipe]
 
     @contextlib.contextmanager
@@ -175,7 +175,7 @@ class Replays:
             if (tensor.shape, tensor.dtype) != (item[4:6] if item[0] is _INIT else item[6:8]):
                 return False
             targets.append((tensor, item))
-        owe = self.owe and plain_cell(type(cell))
+        owe = self.owe and plain_cell(type(cell)) and ledger.batching()
         for tensor, item in targets:
             if item[0] is _INIT:
                 _, _, kind, state, _, _, drew = item
