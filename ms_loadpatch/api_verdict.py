@@ -8,13 +8,13 @@ versions are supported; this module, what a supported one can do.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import logging
 import sys
 
 from packaging.specifiers import SpecifierSet
 
 from . import versions
+from .strategy.probe_cache import ProbeCache
 
 logger = logging.getLogger("ms_loadpatch")
 
@@ -203,9 +203,15 @@ class ApiVerdict:
         )
 
 
-@functools.lru_cache(maxsize=None)
 def api_verdict() -> ApiVerdict:
     """The API probes' verdict on the imported mindspore (one per process)."""
+    return _verdicts.get("api", _probe)
+
+
+_verdicts = ProbeCache()
+
+
+def _probe() -> ApiVerdict:
     import mindspore as ms
 
     from . import api_probes

@@ -14,7 +14,7 @@ from __future__ import annotations
 import hashlib
 import inspect
 import sys
-import threading
+from .strategy.probe_cache import ProbeCache
 
 _TF = "mindone.transformers.modeling_utils"
 _DF = "mindone.diffusers.models.modeling_utils"
@@ -39,8 +39,7 @@ REPEATED = {
     "diffusers.load_state_dict": ("diffusers", _DF_LOADING, "load_state_dict", "30fc298fc89f953b"),
 }
 
-_lock = threading.Lock()
-_checked: dict[str, str | None] = {}  # name -> why it differs, None when it is the code repeated
+_checks = ProbeCache()  # name -> why it differs, None when it is the code repeated
 
 
 def source_hash(function) -> str:
@@ -49,7 +48,7 @@ def source_hash(function) -> str:
 
 
 def _original(module_name, qualname):
-    owner = sys.modules[module_name]  # imported already: no import (nor its lock) under _lock
+    owner = sys.modules[module_name]  # imported already: no import (nor its lock) under the cache's lock
     *path, name = qualname.split(".")
     for part in path:
         owner = getattr(owner, part)
@@ -59,27 +58,23 @@ def _original(module_name, qualname):
 def changed(name: str) -> str | None:
     """Why the installed mindone function `name` (a REPEATED key) is not the
     code its wrapper repeats, or None when it is. Checked once per process."""
-    if name in _checked:
-        return _checked[name]
-    library, module_name, qualname, expected = REPEATED[name]
-    if module_name not in sys.modules:  # nothing of it has run: checked once it is imported
+    if REPEATED[name][1] not in sys.modules:  # nothing of it has run: checked once it is imported
         return None
-    with _lock:
-        if name not in _checked:
-            try:
-                found = source_hash(_original(module_name, qualname))
-                reason = (
-                    None
-                    if found == expected
-                    else (
-                        f"{module_name}.{qualname} is not the code ms_loadpatch repeats (source {found}, "
-                        f"expected {expected}): mindone.{library} loads run mindone's own path"
-                    )
-                )
-            except Exception as exc:  # noqa: BLE001 - a function gone or without source: not the code repeated
-                reason = f"{module_name}.{qualname} cannot be checked ({type(exc).__name__}: {exc})"
-            _checked[name] = reason
-    return _checked[name]
+    return _checks.get(name, lambda: _check(name))
+
+
+def _check(name: str) -> str | None:
+    library, module_name, qualname, expected = REPEATED[name]
+    try:
+        found = source_hash(_original(module_name, qualname))
+    except Exception as exc:  # noqa: BLE001 - a function gone or without source: not the code repeated
+        return f"{module_name}.{qualname} cannot be checked ({type(exc).__name__}: {exc})"
+    if found == expected:
+        return None
+    return (
+        f"{module_name}.{qualname} is not the code ms_loadpatch repeats (source {found}, "
+        f"expected {expected}): mindone.{library} loads run mindone's own path"
+    )
 
 
 def library_problem(library: str) -> str | None:
@@ -119,5 +114,4 @@ def rows() -> list[dict]:
 
 def forget() -> None:
     """Check again at the next use (tests)."""
-    with _lock:
-        _checked.clear()
+    _checks.forget()

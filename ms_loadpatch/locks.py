@@ -16,19 +16,20 @@ LOCK_ORDER = (
     # held across a build and across a whole build-then-fill call (re-entrant)
     ("strategy.building.lazy", "CONSTRUCTION_LOCK"),
     # the construction probes, asked for while a build holds the lock above
-    ("strategy.building", "_probe_lock"),
+    ("strategy.building", "_probe_results._lock"),
     # what follows is taken under nothing else of the package's but the above
     ("core", "_PATCHER._lock"),
+    ("api_verdict", "_verdicts._lock"),
     ("strategy.building.gc_pause", "_lock"),
-    ("strategy.building.draws", "_verify_lock"),
-    ("strategy.building.batched_draws", "_check_lock"),
-    ("strategy.building.deferred_writes", "_verify_lock"),
+    ("strategy.building.draws", "_verdicts._lock"),
+    ("strategy.building.batched_draws", "_checks._lock"),
+    ("strategy.building.deferred_writes", "_verdicts._lock"),
     ("strategy.building.draw_patches", "_install_lock"),
-    ("strategy.cellpasses", "_lock"),
-    ("strategy.castread", "_probe_lock"),
+    ("strategy.cellpasses", "_verdicts._lock"),
+    ("strategy.castread", "_pairs._lock"),
     ("lazy_import", "_lock"),
     ("eager_import_scan", "_eager_bound_lock"),
-    ("fingerprints", "_lock"),
+    ("fingerprints", "_checks._lock"),
     ("strategy.context", "_handler_lock"),
 )
 

@@ -12,6 +12,7 @@ from mindspore import nn
 
 from _building_helpers import techniques_off
 from _building_helpers import checkpoints  # noqa: F401  (a fixture)
+from ms_loadpatch.strategy.probe_cache import ProbeCache
 from ms_loadpatch.strategy import building, context, switch
 from ms_loadpatch.strategy.building import batched_draws, deferred_writes, init_pass, probe
 from ms_loadpatch.strategy.building.lazy import CONSTRUCTION_LOCK
@@ -221,7 +222,7 @@ def test_probes_run_with_collection_paused(monkeypatch):
     """The probes' renderings would trigger a full collection of everything
     imported; they run under the pause a load holds, and resume it after."""
     seen = []
-    monkeypatch.setattr(building, "_probe_results", {})
+    monkeypatch.setattr(building, "_probe_results", ProbeCache())
     for technique in building.TECHNIQUES:
         prepare = technique.prepare
         monkeypatch.setattr(technique, "prepare", lambda prepare=prepare: seen.append(gc.isenabled()) or prepare())
@@ -240,11 +241,10 @@ def test_techniques_that_differ_only_together_all_fail(monkeypatch):
 
 def test_failed_probe_skips_and_load_stays_identical(checkpoints, monkeypatch):
     failing = {name: "simulated probe failure" for name in NAMES}
-    monkeypatch.setattr(building, "_probe_results", failing)
-    monkeypatch.setattr(
-        deferred_writes, "_verified", (frozenset(), {kind: "simulated probe failure" for kind in deferred_writes.KINDS})
-    )
-    monkeypatch.setattr(batched_draws, "_batched", ["simulated probe failure", False])
+    monkeypatch.setattr(building, "_probe_results", ProbeCache(failing))
+    failed_writes = (frozenset(), {kind: "simulated probe failure" for kind in deferred_writes.KINDS})
+    monkeypatch.setattr(deferred_writes, "_verdicts", ProbeCache({"kinds": failed_writes}))
+    monkeypatch.setattr(batched_draws, "_checks", ProbeCache({"checks": ("simulated probe failure", False)}))
     rows = building.technique_status()
     assert {r["state"] for r in rows} == {"skipped"} and all("simulated" in r["reason"] for r in rows)
     installs = []

@@ -79,7 +79,7 @@ clone = next(t for t in building.TECHNIQUES if t.name == "sibling-clone")
 with cpu_kernel_fallbacks():
     with lazy_construction(fast=True):
         fast = mt.MixtralForCausalLM(config())
-    out = {"start": window.start_after_cells(), "probed": dict(building._probe_results),
+    out = {"start": window.start_after_cells(), "probed": building._probe_results.as_dict(),
            "engaged_at": window.state.engaged_at, "cloned": clone.cloned, "leftovers": building.leftovers(),
            "cells": sum(1 for _ in fast.cells_and_names())}
     with lazy_construction(fast=False):

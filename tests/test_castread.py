@@ -17,6 +17,7 @@ import pytest
 
 from _helpers import tiny_qwen2_config
 import mindone.transformers as mt
+from ms_loadpatch.strategy.probe_cache import ProbeCache
 import ms_loadpatch
 from ms_loadpatch.strategy import castread, safetensors_header
 from ms_loadpatch.strategy.castread import CastPlan, read_cast
@@ -110,7 +111,7 @@ def test_read_cast_gives_set_dtype_bits(mixed_file, monkeypatch, target, staging
 def test_probe_catches_a_cast_that_differs(monkeypatch):
     """A numpy cast that truncates instead of rounding fails its probe, and
     the plan then leaves that source to Tensor.set_dtype."""
-    monkeypatch.setattr(castread, "_probed", {})
+    monkeypatch.setattr(castread, "_pairs", ProbeCache())
 
     def truncating(out, source, nan_bits=None):
         np.copyto(out.view(np.uint16), (source.view(np.uint32) >> 16).astype(np.uint16))
@@ -186,7 +187,7 @@ def test_nan_recipe_only_for_nan_only_differences(monkeypatch):
     """A cast that differs from set_dtype only in NaN payloads gets set_dtype's
     NaNs (one per sign), learnt and checked by the probe; it is refused when
     it differs anywhere else too."""
-    monkeypatch.setattr(castread, "_probed", {})
+    monkeypatch.setattr(castread, "_pairs", ProbeCache())
     real = castread.cast_into
 
     def payload_keeping(out, source, nan_bits=None):
@@ -205,7 +206,7 @@ def test_nan_recipe_only_for_nan_only_differences(monkeypatch):
         payload_keeping(out, source, nan_bits)
         out.view(np.uint16)[source == 1.0] ^= 1
 
-    monkeypatch.setattr(castread, "_probed", {})
+    monkeypatch.setattr(castread, "_pairs", ProbeCache())
     monkeypatch.setattr(castread, "cast_into", also_off_by_one)
     assert "differ from Tensor.set_dtype" in castread.cast_problem(np.dtype(np.float32), ms.bfloat16)
     assert castread.cast_recipe(np.dtype(np.float32), ms.bfloat16) is None

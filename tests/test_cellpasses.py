@@ -11,6 +11,7 @@ from mindspore import nn
 
 from _helpers import tiny_qwen2_config
 import mindone.transformers as mt
+from ms_loadpatch.strategy.probe_cache import ProbeCache
 import ms_loadpatch
 from ms_loadpatch.strategy import building, cellpasses
 from ms_loadpatch.strategy.building import state
@@ -100,14 +101,14 @@ def test_probe_fails_on_a_set_train_that_misses_a_flag(monkeypatch):
                     del child.__dict__["_func_graph_flags"]
 
     monkeypatch.setattr(cellpasses, "set_train", truthy_children_only)
-    monkeypatch.setattr(cellpasses, "_verdict", [])
+    monkeypatch.setattr(cellpasses, "_verdicts", ProbeCache())
     reason = cellpasses.probe()
     assert reason is not None and "set_train(False)" in reason, reason
 
 
 def test_probe_fails_when_getattr_reads_another_dict(monkeypatch):
     monkeypatch.setattr(cellpasses, "GETATTR_DICTS", ("_params", "_buffers", "_cells"))
-    monkeypatch.setattr(cellpasses, "_verdict", [])
+    monkeypatch.setattr(cellpasses, "_verdicts", ProbeCache())
     reason = cellpasses.probe()
     assert reason is not None and "_params_list" in reason, reason
 
@@ -131,7 +132,7 @@ def test_probe_runs_before_the_build_not_inside_its_window(tmp_path, monkeypatch
     depths = []
     real_probe = cellpasses._probe
     monkeypatch.setattr(cellpasses, "_probe", lambda: (depths.append(window.state.depth), real_probe())[1])
-    monkeypatch.setattr(cellpasses, "_verdict", [])
+    monkeypatch.setattr(cellpasses, "_verdicts", ProbeCache())
     monkeypatch.setenv(window.START_ENV_VAR, "0")
     with window.open_window(list):
         assert cellpasses.probe() is not None and depths == []  # not inside a window

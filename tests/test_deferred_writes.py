@@ -17,6 +17,7 @@ import mindspore as ms
 import numpy as np
 import pytest
 
+from ms_loadpatch.strategy.probe_cache import ProbeCache
 import ms_loadpatch
 from ms_loadpatch.strategy import building
 from ms_loadpatch.strategy.building import deferred_writes
@@ -198,13 +199,13 @@ class _ProbeBreaks:
     """deferred_writes' table pointed at a kernel that does something else for normal_."""
 
     def __enter__(self):
-        self.saved = deferred_writes.RANDOM_WRITES["normal_"], deferred_writes._verified
+        self.saved = deferred_writes.RANDOM_WRITES["normal_"], deferred_writes._verdicts
         deferred_writes.RANDOM_WRITES["normal_"] = ("inplace_uniform_op", ("mean", "std"), (0, 1))
-        deferred_writes._verified = None
+        deferred_writes._verdicts = ProbeCache()
         return self
 
     def __exit__(self, *exc):
-        deferred_writes.RANDOM_WRITES["normal_"], deferred_writes._verified = self.saved
+        deferred_writes.RANDOM_WRITES["normal_"], deferred_writes._verdicts = self.saved
 
 
 def test_a_write_whose_replay_differs_is_filled_then_run_and_status_names_it(checkpoints):
@@ -300,7 +301,7 @@ def test_the_probe_waits_for_the_first_write_and_runs_in_a_thread_of_its_own(che
         probed_in.append(threading.current_thread())
         return real_verify()
 
-    monkeypatch.setattr(deferred_writes, "_verified", None)
+    monkeypatch.setattr(deferred_writes, "_verdicts", ProbeCache())
     monkeypatch.setattr(deferred_writes, "_verify", verify)
     llama, config = FAMILIES["llama-pad"]
     plain = save_family(llama, config(pad_token_id=None), str(tmp_path / "llama"))
@@ -308,7 +309,7 @@ def test_the_probe_waits_for_the_first_write_and_runs_in_a_thread_of_its_own(che
         ms.set_seed(4)
         ref, acc = load_both(lambda: llama.from_pretrained(plain))
         assert_same_model(ref, acc)
-        assert probed_in == [] and deferred_writes._verified is None
+        assert probed_in == [] and "kinds" not in deferred_writes._verdicts
         cls = FAMILIES["qwen3-moe"][0]
         ms.set_seed(6)
         ref, acc = load_both(lambda: cls.from_pretrained(checkpoints["qwen3-moe", "lacking"]))
@@ -316,5 +317,5 @@ def test_the_probe_waits_for_the_first_write_and_runs_in_a_thread_of_its_own(che
         report = last_report()
     assert len(probed_in) == 1 and probed_in[0] is not threading.current_thread()
     assert report.filled_in_init_pass == 0 and report.writes_deferred > 0, report.summary()
-    assert "normal_" in deferred_writes._verified[0] and not probed_in[0].is_alive()
+    assert "normal_" in deferred_writes._verdicts.as_dict()["kinds"][0] and not probed_in[0].is_alive()
     assert building.leftovers() == []

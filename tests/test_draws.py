@@ -18,6 +18,7 @@ from safetensors.numpy import load_file, save_file
 
 from _helpers import tiny_qwen2_config
 import mindone.transformers as mt
+from ms_loadpatch.strategy.probe_cache import ProbeCache
 from ms_loadpatch.strategy import building
 from ms_loadpatch.strategy.building import batched_draws, draws, init_pass, replays
 from ms_loadpatch.strategy.building.lazy import lazy_parameters
@@ -345,7 +346,7 @@ def test_batched_draws_are_checked_and_a_changed_numpy_seed_is_refused(monkeypat
     from mindspore.common import initializer as module
 
     assert batched_draws.problem() is None
-    monkeypatch.setattr(batched_draws, "_batched", [])
+    monkeypatch.setattr(batched_draws, "_checks", ProbeCache())
     monkeypatch.setattr(module, "_numpy_seed", lambda: np.random.randint(low=1, high=(1 << 62), dtype=np.int64))
     assert "_numpy_seed is not" in batched_draws.problem()
     row = init_pass.batched_draws_row()
@@ -393,12 +394,12 @@ def test_owed_draws_take_randint_when_the_words_are_not_usable(monkeypatch):
     words = owed_seeds()
     taken = []
     monkeypatch.setattr(batched_draws, "seeds_from_words", lambda generator, n: taken.append(n) or [0] * n)
-    monkeypatch.setattr(batched_draws, "_batched", [])
+    monkeypatch.setattr(batched_draws, "_checks", ProbeCache())
     assert batched_draws.problem() is None and not batched_draws.words_usable()
     assert "the words give other numbers" in batched_draws._check_raw_words()
     randint = owed_seeds()
     assert taken and words[0] == randint[0] and batched_draws.same_numpy_state(words[1], randint[1])
-    monkeypatch.setattr(batched_draws, "_batched", [None, True])
+    monkeypatch.setattr(batched_draws, "_checks", ProbeCache({"checks": (None, True)}))
     monkeypatch.setattr(batched_draws, "_global_mt19937", lambda: None)  # e.g. np.random.set_bit_generator(PCG64())
     taken.clear()
     other = owed_seeds()

@@ -13,6 +13,7 @@ from packaging.version import Version
 
 from _helpers import report_of, run_python
 from ms_loadpatch import api_probes, core, versions
+from ms_loadpatch.api_verdict import _verdicts as api_verdicts
 from ms_loadpatch.api_verdict import api_verdict
 from ms_loadpatch.targets import TARGETS
 
@@ -22,9 +23,9 @@ TF_FROM_PRETRAINED = "mindone.transformers.modeling_utils:PreTrainedModel.from_p
 
 @pytest.fixture
 def fresh_techniques():
-    api_verdict.cache_clear()
+    api_verdicts.forget()
     yield
-    api_verdict.cache_clear()
+    api_verdicts.forget()
 
 
 def _fake_versions(monkeypatch, fake):
@@ -133,7 +134,7 @@ def test_overridden_version_still_runs_every_probe(monkeypatch, fresh_techniques
     monkeypatch.setenv(versions.ALLOW_UNTESTED_ENV_VAR, "1")
     _fake_versions(monkeypatch, {"mindspore": "2.11.0"})
     _drop_no_init(monkeypatch)
-    api_verdict.cache_clear()
+    api_verdicts.forget()
     patcher = core._Patcher(TARGETS)
     try:
         assert patcher.enable() is True
@@ -345,7 +346,7 @@ def test_transformers_problem_skips_transformers_targets_only(monkeypatch, fresh
     import mindone.transformers.modeling_utils  # noqa: F401
 
     _cell_gets_half(monkeypatch)
-    api_verdict.cache_clear()
+    api_verdicts.forget()
     patcher = core._Patcher(TARGETS)
     try:
         assert patcher.enable() is True
@@ -409,7 +410,7 @@ def test_unusable_mindspore_skips_every_target(monkeypatch, fresh_techniques, ca
 
     before = mu.PreTrainedModel.__dict__["from_pretrained"]  # as the process-wide patcher left it
     _drop_no_init(monkeypatch)
-    api_verdict.cache_clear()  # importing mindone above probed the complete mindspore
+    api_verdicts.forget()  # importing mindone above probed the complete mindspore
     patcher = core._Patcher(TARGETS)  # a private instance: the process-wide one stays as it is
     with caplog.at_level(logging.WARNING, logger="ms_loadpatch"):
         assert patcher.enable() is True  # versions are fine; the targets cannot be applied

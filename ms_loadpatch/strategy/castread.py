@@ -32,6 +32,7 @@ import threading
 import numpy as np
 
 from . import page_cache, randomstate, switch, verdict
+from .probe_cache import ProbeCache
 from .safetensors_header import CheckpointError, checkpoint_os_error, read_header_from, unchanged_file
 from .threaded_read import ReadPlan, as_plan, data_buffer, read_into, read_threads, run_in_threads
 
@@ -44,8 +45,7 @@ DESCRIPTION = (
 STAGING_BYTES = 32 << 20
 _ALIGN = 64
 
-_probed: dict = {}
-_probe_lock = threading.Lock()
+_pairs = ProbeCache()  # (source dtype, target) -> (problem, nan_bits)
 
 
 def switched_off() -> bool:
@@ -104,12 +104,11 @@ def cast_recipe(source: np.dtype, target):
 
 
 def _probed_pair(source, target):
-    key = (np.dtype(source).str, str(target))
-    with _probe_lock:
-        if key not in _probed:
-            with randomstate.kept():
-                _probed[key] = _probe(np.dtype(source), target)
-        return _probed[key]
+    def probe():
+        with randomstate.kept():
+            return _probe(np.dtype(source), target)
+
+    return _pairs.get((np.dtype(source).str, str(target)), probe)
 
 
 def _probe(source: np.dtype, target):

@@ -27,6 +27,7 @@ from __future__ import annotations
 import threading
 
 from . import randomstate, switch, verdict
+from .probe_cache import ProbeCache
 
 NAME = "cell-passes"
 DESCRIPTION = (
@@ -93,9 +94,8 @@ KNOWN_NAMES = {
 # Plain values: nn.Cell.__setattr__ gives these to _set_attr_for_object (not Parameters, cells, tensors, lists).
 _PLAIN_VALUES = (bool, int, str, dict)
 
-_lock = threading.Lock()
 _probing = threading.local()
-_verdict: list = []  # [reason or None], once probed
+_verdicts = ProbeCache()  # "twins": the reason or None
 _plain: dict[tuple, bool] = {}  # (class, methods, names) -> plain
 
 
@@ -235,17 +235,18 @@ def probe() -> str | None:
         return "the probe is running"
     from .building import window
 
-    if window.state.depth and not _verdict:  # its cells would be built by the window's techniques, and counted
+    if window.state.depth and "twins" not in _verdicts:  # its cells would be built by the window's techniques
         return "not probed yet: a construction window is open"
-    with _lock:
-        if not _verdict:
-            _probing.active = True
-            try:
-                with randomstate.kept():
-                    _verdict.append(_probe())
-            finally:
-                _probing.active = False
-        return _verdict[0]
+    return _verdicts.get("twins", _probe_marked)
+
+
+def _probe_marked() -> str | None:
+    _probing.active = True
+    try:
+        with randomstate.kept():
+            return _probe()
+    finally:
+        _probing.active = False
 
 
 def _code_problem(function, known: set) -> str | None:

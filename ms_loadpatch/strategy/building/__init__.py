@@ -14,9 +14,9 @@ turns techniques off by name.
 from __future__ import annotations
 
 import contextlib
-import threading
 
 from .. import randomstate, switch, verdict
+from ..probe_cache import ProbeCache
 from . import deferred_writes, draws, init_pass, lazy_writes, window
 from .cell_init_template import CellInitTemplate
 from .flat_name_walk import FlatNameWalk
@@ -42,8 +42,7 @@ TECHNIQUES = (
     HostFactories(),
 )
 
-_probe_results: dict[str, str | None] = {}
-_probe_lock = threading.Lock()
+_probe_results = ProbeCache()  # technique name -> its probe's reason, None when it passed
 
 
 def engaged_at() -> int | None:
@@ -68,12 +67,16 @@ def probe_result(technique) -> str | None:
     """The probe's verdict for `technique` on this process's mindspore (run once)."""
     if window.state.depth:  # inside a window the probe would compare the fast path with itself
         raise RuntimeError("ms_loadpatch: fast-construction probes cannot run inside a construction window")
-    # CONSTRUCTION_LOCK first, always: a build reaching its start cell holds it when it asks
-    with CONSTRUCTION_LOCK, _probe_lock:
-        if technique.name not in _probe_results:
-            with gc_pause.collection_paused(), randomstate.kept():
-                _probe_groups(technique)
-        return _probe_results[technique.name]
+    if technique.name in _probe_results:
+        return _probe_results.as_dict()[technique.name]
+
+    def probe():
+        with gc_pause.collection_paused(), randomstate.kept():
+            _probe_groups(technique)
+        return _probe_results.as_dict()[technique.name]
+
+    with CONSTRUCTION_LOCK:  # first, always: a build reaching its start cell holds it when it asks
+        return _probe_results.get(technique.name, probe)
 
 
 def _probe_groups(technique):
@@ -85,7 +88,7 @@ def _probe_groups(technique):
             alongside=[
                 t
                 for t in TECHNIQUES
-                if t.engages_early and not switch.is_off(t.name) and _probe_results[t.name] is None
+                if t.engages_early and not switch.is_off(t.name) and _probe_results.as_dict()[t.name] is None
             ],
         )
 

@@ -5,16 +5,14 @@ types and global RandomState as n calls."""
 
 from __future__ import annotations
 
-import threading
-
 import numpy as np
 
+from ..probe_cache import ProbeCache
 from .draw_patches import originals as _originals
 
 _SEED_HIGH = 1 << 63
 NAME = "batched-draws"  # MS_LOADPATCH_TECHNIQUES_OFF name: every draw taken on its own
-_batched: list = []  # [problem or None, words usable], once checked
-_check_lock = threading.Lock()
+_checks = ProbeCache()  # "checks": (problem or None, words usable)
 
 
 _MASK = (1 << 63) - 1  # legacy randint's mask for the range below
@@ -47,7 +45,7 @@ def seeds_from_words(generator, n: int) -> list:
 def words_usable() -> bool:
     """Whether owed draws are made from the global MT19937's words
     (problem() checked that they equal randint's here)."""
-    return problem() is None and _batched[1]
+    return problem() is None and _checks.get("checks", _check)[1]
 
 
 def same_numpy_state(a, b) -> bool:
@@ -63,19 +61,19 @@ def problem() -> str | None:
     """None when mindspore's `_numpy_seed` is the one-line draw this module
     knows and, on this numpy, one randint of size n gives the same numbers
     (type included) and leaves the same RandomState as n calls of it."""
-    if not _batched:
-        with _check_lock:
-            if not _batched:
-                try:
-                    found = _check_batched_draws()
-                except Exception as exc:  # noqa: BLE001 - an internal it relies on changed
-                    found = f"{type(exc).__name__}: {exc}"
-                try:
-                    words = found is None and _check_raw_words() is None
-                except Exception:  # noqa: BLE001 - numpy's generator internals differ: randint it is
-                    words = False
-                _batched[:] = [found, words]
-    return _batched[0]
+    return _checks.get("checks", _check)[0]
+
+
+def _check() -> tuple:
+    try:
+        found = _check_batched_draws()
+    except Exception as exc:  # noqa: BLE001 - an internal it relies on changed
+        found = f"{type(exc).__name__}: {exc}"
+    try:
+        words = found is None and _check_raw_words() is None
+    except Exception:  # noqa: BLE001 - numpy's generator internals differ: randint it is
+        words = False
+    return found, words
 
 
 def _check_batched_draws() -> str | None:

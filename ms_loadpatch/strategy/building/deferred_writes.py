@@ -28,9 +28,10 @@ a write that fails is filled, then run, and `status()` names it.
 from __future__ import annotations
 
 import dis
-import threading
 
 import numpy as np
+
+from ..probe_cache import ProbeCache
 
 # random in-place methods: (kernel in mindspore.ops.function.random_func, its argument names and defaults)
 RANDOM_WRITES = {
@@ -292,8 +293,7 @@ class Recorder:
 
 # -- the probe: each kind of write recorded then replayed, against the real op (once per process)
 
-_verified: tuple | None = None
-_verify_lock = threading.Lock()
+_verdicts = ProbeCache()
 
 
 NAME = "deferred-writes"
@@ -323,33 +323,7 @@ class LazyKinds:
 
 def verified() -> tuple[frozenset, dict]:
     """(kinds whose record and replay equal the real op here, {kind: why not} for the others)."""
-    global _verified
-    if _verified is None:
-        with _verify_lock:
-            if _verified is None:
-                _verified = _in_own_thread(_verify)
-    return _verified
-
-
-def _in_own_thread(probe):
-    """probe() in a thread of its own, waited for: asked from inside a
-    load's init pass, it meets none of the patches held for the building thread."""
-    result = []
-
-    def run():
-        try:
-            result.append(probe())
-        except Exception as exc:  # noqa: BLE001 - every kind failed the same way
-            result.append((frozenset(), {kind: f"{type(exc).__name__}: {exc}" for kind in KINDS}))
-
-    thread = threading.Thread(target=run, name="ms_loadpatch-deferred-writes-probe")
-    thread.start()
-    try:
-        thread.join()
-    except BaseException:  # an interrupt while waiting: the probe ends before this does
-        thread.join()
-        raise
-    return result[0]
+    return _verdicts.get("kinds", _verify, own_thread=True)
 
 
 def _verify():
@@ -357,16 +331,19 @@ def _verify():
     from . import draws
 
     passed, problems = set(), {}
-    with randomstate.kept(), draws.suspended():
-        for kind in KINDS:
-            try:
-                problem = _compare(kind)
-            except Exception as exc:  # an internal it relies on changed
-                problem = f"{type(exc).__name__}: {exc}"
-            if problem is None:
-                passed.add(kind)
-            else:
-                problems[kind] = problem
+    try:
+        with randomstate.kept(), draws.suspended():
+            for kind in KINDS:
+                try:
+                    problem = _compare(kind)
+                except Exception as exc:  # an internal it relies on changed
+                    problem = f"{type(exc).__name__}: {exc}"
+                if problem is None:
+                    passed.add(kind)
+                else:
+                    problems[kind] = problem
+    except Exception as exc:  # noqa: BLE001 - the probe's own set-up: every kind fails alike
+        return frozenset(), {kind: f"{type(exc).__name__}: {exc}" for kind in KINDS}
     return frozenset(passed), problems
 
 

@@ -28,10 +28,10 @@ active and for its thread only, are draw_patches.py.
 from __future__ import annotations
 
 import contextlib
-import threading
 
 import numpy as np
 
+from ..probe_cache import ProbeCache
 from . import batched_draws
 from .draw_patches import ACCOUNTING as _ACCOUNTING
 from .draw_patches import FILLING as _FILLING
@@ -246,8 +246,7 @@ class _GiveBackOnly:
 
 # -- which classes draw as the tables say, on this mindspore (once per process)
 
-_verified = None
-_verify_lock = threading.Lock()
+_verdicts = ProbeCache()
 
 
 def verified_classes() -> tuple[frozenset, frozenset, str | None]:
@@ -255,15 +254,14 @@ def verified_classes() -> tuple[frozenset, frozenset, str | None]:
     the NO_DRAW / ONE_DRAW classes whose draws and values `_verify` confirmed
     here (any other is run in full), and why accounting cannot be exact at
     all (None when it can)."""
-    global _verified
-    if _verified is None:
-        with _verify_lock:
-            if _verified is None:
-                try:
-                    _verified = _verify()
-                except Exception as exc:  # an internal it relies on changed
-                    _verified = (frozenset(), frozenset(), f"{type(exc).__name__}: {exc}")
-    return _verified
+    return _verdicts.get("classes", _verify_or_problem)
+
+
+def _verify_or_problem():
+    try:
+        return _verify()
+    except Exception as exc:  # an internal it relies on changed
+        return frozenset(), frozenset(), f"{type(exc).__name__}: {exc}"
 
 
 def probe() -> str | None:
