@@ -24,7 +24,7 @@ LOCK_ORDER = (
     ("strategy.building.draws", "_verdicts._lock"),
     ("strategy.building.batched_draws", "_checks._lock"),
     ("strategy.building.deferred_writes", "_verdicts._lock"),
-    ("strategy.building.draw_patches", "_install_lock"),
+    ("strategy.building.swaps", "_shared_lock"),
     ("strategy.cellpasses", "_verdicts._lock"),
     ("strategy.castread", "_pairs._lock"),
     ("lazy_import", "_lock"),

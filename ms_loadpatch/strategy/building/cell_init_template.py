@@ -7,6 +7,7 @@ import threading
 import time
 
 from . import window
+from .swaps import Swap
 from .technique import ProbeFailed, Technique, cell_method, cell_registration
 
 
@@ -62,6 +63,7 @@ class CellInitTemplate(Technique):
         self.fresh = ()
         self.plain_classes: dict[type, bool] = {}
         self.count = window.DeferredInstanceCount()
+        self.swap = None
 
     def prepare(self):
         cell_class, original = cell_method("__init__", self.KNOWN_NAMES)
@@ -151,17 +153,16 @@ class CellInitTemplate(Technique):
 
         __init__.__wrapped__ = original
         __init__.__doc__ = original.__doc__
-        cell_class.__init__ = __init__
+        self.swap = Swap(cell_class, "__init__", __init__)
+        self.swap.install()
         return True
 
     def uninstall(self):
-        self.cell_class.__init__ = self.original
+        self.swap.uninstall()
         self.count.flush(self.cell_class)
 
     def leftovers(self):
-        found = []
-        if self.original is not None and vars(self.cell_class).get("__init__") is not self.original:
-            found.append("nn.Cell.__init__ is not mindspore's")
+        found = [self.swap.leftover()] if self.swap is not None and self.swap.owns() else []
         if self.count.pending:
             found.append(f"{self.name}: {self.count.pending} cells not counted")
         return found

@@ -12,33 +12,14 @@ import threading
 
 import numpy as np
 
+from .swaps import SharedSwaps, Swaps
+
 local = threading.local()  # .ledger: accounting here; .replay: a seed to give back; .captured
-_install_lock = threading.Lock()
 originals: dict = {}
 
 
 class SeedTaken(Exception):
     """Raised by the patched _numpy_seed once it has taken the draw: the initializer stops before filling."""
-
-
-class SharedPatches:
-    """Process-wide patches held while any thread needs them (counted under one lock)."""
-
-    def __init__(self, install, uninstall):
-        self.install, self.uninstall, self.users = install, uninstall, 0
-
-    def __enter__(self):
-        with _install_lock:
-            if self.users == 0:
-                self.install()
-            self.users += 1
-        return self
-
-    def __exit__(self, *exc):
-        with _install_lock:
-            self.users -= 1
-            if self.users == 0:
-                self.uninstall()
 
 
 def _install_filling():
@@ -99,15 +80,16 @@ def _install_filling():
 
     patched_init_data.__wrapped__ = init_data
     patched_parameter_init_data.__wrapped__ = parameter_init_data
-    module._numpy_seed = _numpy_seed
-    Tensor.init_data = patched_init_data
-    Parameter.init_data = patched_parameter_init_data
+    return Swaps(
+        [
+            (module, "_numpy_seed", _numpy_seed),
+            (Tensor, "init_data", patched_init_data),
+            (Parameter, "init_data", patched_parameter_init_data),
+        ]
+    )
 
 
-def _uninstall_filling():
-    originals["module"]._numpy_seed = originals["numpy_seed"]
-    originals["Tensor"].init_data = originals["init_data"]
-    originals["FilledParameter"].init_data = originals["parameter_init_data"]
+def _filling_ended():
     for key in ("module", "numpy_seed", "Tensor", "init_data", "FilledParameter", "parameter_init_data"):
         del originals[key]
 
@@ -117,17 +99,11 @@ def _install_accounting():
     from mindspore import Parameter
 
     originals["Parameter"] = Parameter
-    Parameter.init_mode = _InitMode()
+    return Swaps([(Parameter, "init_mode", _InitMode())])
 
 
-def _uninstall_accounting():
-    Parameter = originals.pop("Parameter")
-    if isinstance(vars(Parameter).get("init_mode"), _InitMode):
-        del Parameter.init_mode
-
-
-FILLING = SharedPatches(_install_filling, _uninstall_filling)
-ACCOUNTING = SharedPatches(_install_accounting, _uninstall_accounting)
+FILLING = SharedSwaps(_install_filling, _filling_ended)
+ACCOUNTING = SharedSwaps(_install_accounting, lambda: originals.pop("Parameter"))
 
 
 def leftovers() -> list[str]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import threading
 
 from . import window
+from .swaps import Swap
 from .technique import ProbeFailed, Technique, cell_method
 
 
@@ -115,16 +116,15 @@ class FlatNameWalk(Technique):
 
         update_parameters_name.__wrapped__ = original
         update_parameters_name.__doc__ = original.__doc__
-        self.cell_class.update_parameters_name = update_parameters_name
+        self.swap = Swap(self.cell_class, "update_parameters_name", update_parameters_name)
+        self.swap.install()
         self.installed = True
         return True
 
     def uninstall(self):
         self.installed = False
-        self.cell_class.update_parameters_name = self.original
+        self.swap.uninstall()
 
     def leftovers(self):
-        original = getattr(self, "original", None)
-        if original is not None and vars(self.cell_class).get("update_parameters_name") is not original:
-            return ["nn.Cell.update_parameters_name is not mindspore's"]
-        return []
+        swap = getattr(self, "swap", None)
+        return [swap.leftover()] if swap is not None and swap.owns() else []

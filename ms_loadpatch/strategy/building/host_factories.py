@@ -6,6 +6,7 @@ import math
 import threading
 
 from . import window
+from .swaps import Swaps
 from .technique import ProbeFailed, Technique
 
 
@@ -49,7 +50,7 @@ class HostFactories(Technique):
     def __init__(self):
         self.modules: dict = {}
         self.originals: dict = {}
-        self.wrappers: dict = {}
+        self.swaps = Swaps()
         self.made = self.made_before = 0  # tensors made on the host: in all, before the last install
         self.checked: dict = {}  # (module, name, dtype) -> whether mindspore's own call gave the same tensor
         self.wrap_array = None  # Tensor.from_numpy when it wraps an array without a copy (prepare)
@@ -206,17 +207,14 @@ class HostFactories(Technique):
             factory.__doc__ = original.__doc__
             factory.__name__ = factory.__qualname__ = key[1]
             wrappers[key] = factory
-        for (module, name), wrapper in wrappers.items():
-            setattr(self.modules[module], name, wrapper)
-        self.wrappers = wrappers
+        self.swaps = Swaps((self.modules[module], name, wrapper) for (module, name), wrapper in wrappers.items())
+        self.swaps.install()
         self.made_before = self.made
         return True
 
     def uninstall(self):
-        for (module, name), wrapper in self.wrappers.items():
-            if getattr(self.modules[module], name, None) is wrapper:
-                setattr(self.modules[module], name, self.originals[module, name])
-        self.wrappers = {}
+        self.swaps.uninstall()
+        self.swaps = Swaps()
         if window.state.recording:
             window.state.notes[self.name] = {"tensors": self.made - self.made_before}
 

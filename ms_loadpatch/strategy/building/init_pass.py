@@ -24,6 +24,7 @@ import threading
 from .. import switch
 from . import batched_draws, deferred_writes
 from .replays import Replays, plain_cell
+from .swaps import Swap, Swaps
 
 BATCHED_DRAWS = batched_draws.NAME
 
@@ -159,19 +160,10 @@ def filling_on_touch(ledger=None):
         patched["data"] = _FillingData(read_data, lambda p, v: data.__set__(p, v))
     for name in _in_place_methods(ms) + ["__setitem__", "__getitem__"]:
         patched[name] = _filling_first(cls, name, fill, recorder if name in deferred_writes.KINDS else None, builder)
-    swaps = [(cls, name, value) for name, value in patched.items()]
-    swaps.append((Generator, "_step", _counting_steps(vars(Generator)["_step"], counts, builder)))
-    originals = [(owner, name, vars(owner)[name] if name in vars(owner) else None) for owner, name, _ in swaps]
-    try:
-        for owner, name, value in swaps:
-            setattr(owner, name, value)
+    swaps = Swaps((cls, name, value) for name, value in patched.items())
+    swaps.swaps.append(Swap(Generator, "_step", _counting_steps(vars(Generator)["_step"], counts, builder)))
+    with swaps:
         yield counts
-    finally:
-        for owner, name, original in originals:
-            if original is not None:
-                setattr(owner, name, original)
-            else:
-                delattr(owner, name)
 
 
 def _counting_steps(step, counts, builder):

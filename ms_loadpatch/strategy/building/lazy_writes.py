@@ -20,7 +20,7 @@ import threading
 import numpy as np
 from mindspore import Parameter, Tensor
 
-from .draw_patches import SharedPatches
+from .swaps import SharedSwaps, Swaps
 
 _local = threading.local()  # .fast: this thread's build takes copies; .foreign: ids of parameters not its own
 # Tensor's own assign_value (a Parameter's class derives from Tensor and Parameter); kept once
@@ -59,14 +59,10 @@ def taken_as_copy(param, value) -> bool:
 def _install():
     global _original
     _original = vars(Tensor)["assign_value"]
-    Tensor.assign_value = _assign_value
+    return Swaps([(Tensor, "assign_value", _assign_value)])
 
 
-def _uninstall():
-    Tensor.assign_value = _original
-
-
-_ASSIGNING = SharedPatches(_install, _uninstall)
+_ASSIGNING = SharedSwaps(_install)
 
 
 @contextlib.contextmanager

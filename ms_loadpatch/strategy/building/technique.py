@@ -5,6 +5,7 @@ from __future__ import annotations
 import threading
 
 from . import window
+from .swaps import Swap
 from .. import verdict
 
 
@@ -86,8 +87,9 @@ class InitHooks:
     `__init__` or `leave` it; `restore()` puts every one back."""
 
     def __init__(self):
-        self.hooked: dict = {}  # class -> (had its own __init__, that __init__, wrapper or None)
+        self.hooked: dict = {}  # class -> its Swap of __init__, or None (left alone)
         self.base = self.base_init = self.dispatcher = None
+        self.base_swap = None
 
     def install(self, base, notice) -> bool:
         current = vars(base).get("__init__")
@@ -105,11 +107,12 @@ class InitHooks:
         __init__.__wrapped__ = current
         __init__.__doc__ = current.__doc__
         self.base, self.base_init, self.dispatcher = base, current, __init__
-        base.__init__ = __init__
+        self.base_swap = Swap(base, "__init__", __init__)
+        self.base_swap.install()
         return True
 
     def leave(self, cls) -> None:
-        self.hooked[cls] = (False, None, None)
+        self.hooked[cls] = None
 
     def wrap(self, cls, fast) -> None:
         """`cls.__init__` calls `fast(cls, init, obj, args, kwargs)` for an
@@ -124,22 +127,19 @@ class InitHooks:
         wrapper.__wrapped__ = init
         for attribute in ("__name__", "__qualname__", "__doc__", "__module__"):
             setattr(wrapper, attribute, getattr(init, attribute, None))
-        self.hooked[cls] = ("__init__" in vars(cls), vars(cls).get("__init__"), wrapper)
-        cls.__init__ = wrapper
+        swap = self.hooked[cls] = Swap(cls, "__init__", wrapper)
+        swap.install()
 
     def restore(self) -> None:
-        for cls, (had_own, previous, wrapper) in list(self.hooked.items()):
-            if wrapper is not None and vars(cls).get("__init__") is wrapper:
-                if had_own:
-                    cls.__init__ = previous
-                else:
-                    delattr(cls, "__init__")
+        for swap in self.hooked.values():
+            if swap is not None:
+                swap.uninstall()
         self.hooked.clear()
-        if self.base is not None and vars(self.base).get("__init__") is self.dispatcher:
-            self.base.__init__ = self.base_init
+        if self.base_swap is not None:
+            self.base_swap.uninstall()
 
     def leftovers(self) -> list[str]:
         found = [f"{cls.__qualname__}.__init__ still wrapped" for cls in self.hooked]
-        if self.base is not None and vars(self.base).get("__init__") is self.dispatcher:
+        if self.base_swap is not None and self.base_swap.owns():
             found.append(f"{self.base.__qualname__}.__init__ still notices classes")
         return found

@@ -12,6 +12,7 @@ import contextlib
 import threading
 
 from ...activation import env_int
+from .swaps import Swap
 
 # A build's first cells are plain; the probes run and the techniques engage at
 # this cell (0: from the first). Below it the probes (~0.2 s) cost more than
@@ -113,7 +114,7 @@ class _StartCounter:
 
         self.cell_class, self.start, self.reached = nn.Cell, start, reached
         self.count = 0
-        self.original = self.wrapper = None
+        self.swap = None
 
     def install(self):
         original = vars(self.cell_class).get("__init__")
@@ -130,17 +131,16 @@ class _StartCounter:
 
         __init__.__wrapped__ = original
         __init__.__doc__ = original.__doc__
-        self.original, self.wrapper = original, __init__
-        self.cell_class.__init__ = __init__
+        self.swap = Swap(self.cell_class, "__init__", __init__)
+        self.swap.install()
         return True
 
     def uninstall(self) -> bool:
         """Puts nn.Cell.__init__ back; False when already done."""
-        if self.wrapper is None:
+        if self.swap is None:
             return False
-        if vars(self.cell_class).get("__init__") is self.wrapper:
-            self.cell_class.__init__ = self.original
-        self.wrapper = None
+        self.swap.uninstall()
+        self.swap = None
         return True
 
 
