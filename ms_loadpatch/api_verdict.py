@@ -205,7 +205,7 @@ class ApiVerdict:
 
 def api_verdict() -> ApiVerdict:
     """The API probes' verdict on the imported mindspore (one per process)."""
-    return _verdicts.get("api", _probe)
+    return _verdicts.get("api", _probe, exclusive=False)  # asked from import hooks
 
 
 _verdicts = ProbeCache()

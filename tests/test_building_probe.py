@@ -12,6 +12,7 @@ from mindspore import nn
 
 from _building_helpers import techniques_off
 from _building_helpers import checkpoints  # noqa: F401  (a fixture)
+from ms_loadpatch.strategy.building.swaps import Swap
 from ms_loadpatch.strategy.probe_cache import ProbeCache
 from ms_loadpatch.strategy import building, context, switch
 from ms_loadpatch.strategy.building import batched_draws, deferred_writes, init_pass, probe
@@ -81,7 +82,9 @@ class _WrongPrefixTemplate(building.CellInitTemplate):
             fast(cell, auto_prefix, flags)
             cell.__dict__["_auto_prefix"] = True
 
-        nn.Cell.__init__ = __init__
+        self.swap.uninstall()  # the broken one in its place, through the same primitive
+        self.swap = Swap(nn.Cell, "__init__", __init__)
+        self.swap.install()
         return installed
 
 
@@ -90,7 +93,10 @@ class _UnprefixedWalk(building.FlatNameWalk):
 
     def install(self):
         original = self.original
-        nn.Cell.update_parameters_name = lambda cell, prefix="", recurse=True: original(cell, "", recurse)
+        self.swap = Swap(
+            nn.Cell, "update_parameters_name", lambda cell, prefix="", recurse=True: original(cell, "", recurse)
+        )
+        self.swap.install()
         return True
 
 
@@ -106,7 +112,8 @@ class _ValueChangingWalk(building.FlatNameWalk):
                 if not param.has_init:
                     param.asnumpy()[...] = 0
 
-        nn.Cell.update_parameters_name = walk
+        self.swap = Swap(nn.Cell, "update_parameters_name", walk)
+        self.swap.install()
         return True
 
 
@@ -205,7 +212,8 @@ class _DefaultsWithoutInitAttrs(building.PrimitiveDefaults):
 def test_probe_catches_a_wrong_fast_path(broken):
     reason = probe.run_probe(broken())
     assert reason is not None and ("differs" in reason or "registries" in reason), reason
-    assert not vars(nn.Cell)["__init__"].__module__.startswith("ms_loadpatch")  # restored after the probe
+    for name in ("__init__", "update_parameters_name"):  # mindspore's again after the probe
+        assert vars(nn.Cell)[name].__module__.startswith("mindspore"), name
 
 
 def test_late_techniques_are_probed_with_the_active_early_ones():

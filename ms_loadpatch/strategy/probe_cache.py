@@ -15,12 +15,19 @@ class ProbeCache:
         self._results = dict(results or {})
         self._lock = threading.Lock()
 
-    def get(self, key, compute, own_thread: bool = False):
+    def get(self, key, compute, own_thread: bool = False, exclusive: bool = True):
         """The result for `key`, `compute()` run the first time (with
-        `own_thread`, in a thread of its own that the caller waits for)."""
+        `own_thread`, in a thread of its own that the caller waits for).
+        Not `exclusive`: computed outside the lock, which is held only to
+        keep the first result (for a probe asked from import hooks, which
+        must not wait on a lock while holding an import lock)."""
         found = self._results.get(key, _UNSET)
         if found is not _UNSET:
             return found
+        if not exclusive:
+            value = compute()
+            with self._lock:
+                return self._results.setdefault(key, value)
         with self._lock:
             found = self._results.get(key, _UNSET)
             if found is _UNSET:
