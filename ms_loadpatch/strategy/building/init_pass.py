@@ -24,25 +24,11 @@ import threading
 from .. import switch
 from . import batched_draws, deferred_writes
 from .replays import Replays, plain_cell
-from .swaps import Swap, Swaps
+from .swaps import Swaps
 
 BATCHED_DRAWS = batched_draws.NAME
 
 _APPLY_METHODS = ("apply", "cells", "name_cells")
-
-
-def walks_as_cell(cls) -> bool:
-    """`cls.apply` walks its children as nn.Cell's does (no method of the walk overridden)."""
-    plain = _walks_as_cell.get(cls)
-    if plain is None:
-        from mindspore import nn
-
-        base = vars(nn.Cell)
-        plain = _walks_as_cell[cls] = all(getattr(cls, name, None) is base[name] for name in _APPLY_METHODS)
-    return plain
-
-
-_walks_as_cell: dict[type, bool] = {}
 
 
 def cells_in_apply_order(root):
@@ -50,7 +36,10 @@ def cells_in_apply_order(root):
     `name_cells()` order (each child once per parent, a cell shared by two
     parents under both). `own` is True for a cell whose class changes how
     apply walks: the caller then calls its `apply` for the whole subtree."""
-    plain = _walks_as_cell
+    from mindspore import nn
+
+    base = {name: vars(nn.Cell)[name] for name in _APPLY_METHODS}
+    plain: dict[type, bool] = {}
     stack = [(root, False)]
     while stack:
         cell, children_done = stack.pop()
@@ -58,7 +47,9 @@ def cells_in_apply_order(root):
             yield cell, False
             continue
         kind = type(cell)
-        if not (plain[kind] if kind in plain else walks_as_cell(kind)):
+        if kind not in plain:
+            plain[kind] = all(getattr(kind, name, None) is base[name] for name in _APPLY_METHODS)
+        if not plain[kind]:
             yield cell, True
             continue
         stack.append((cell, True))
@@ -160,9 +151,8 @@ def filling_on_touch(ledger=None):
         patched["data"] = _FillingData(read_data, lambda p, v: data.__set__(p, v))
     for name in _in_place_methods(ms) + ["__setitem__", "__getitem__"]:
         patched[name] = _filling_first(cls, name, fill, recorder if name in deferred_writes.KINDS else None, builder)
-    swaps = Swaps((cls, name, value) for name, value in patched.items())
-    swaps.swaps.append(Swap(Generator, "_step", _counting_steps(vars(Generator)["_step"], counts, builder)))
-    with swaps:
+    patched_steps = (Generator, "_step", _counting_steps(vars(Generator)["_step"], counts, builder))
+    with Swaps([*((cls, name, value) for name, value in patched.items()), patched_steps]):
         yield counts
 
 
