@@ -317,5 +317,5 @@ def test_the_probe_waits_for_the_first_write_and_runs_in_a_thread_of_its_own(che
         report = last_report()
     assert len(probed_in) == 1 and probed_in[0] is not threading.current_thread()
     assert report.filled_in_init_pass == 0 and report.writes_deferred > 0, report.summary()
-    assert "normal_" in deferred_writes._verdicts.as_dict()["kinds"][0] and not probed_in[0].is_alive()
+    assert "normal_" in deferred_writes._verdicts["kinds"][0] and not probed_in[0].is_alive()
     assert building.leftovers() == []

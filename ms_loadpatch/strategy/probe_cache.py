@@ -41,6 +41,10 @@ class ProbeCache:
     def __contains__(self, key) -> bool:
         return key in self._results
 
+    def __getitem__(self, key):
+        """A result known already (KeyError when not probed yet)."""
+        return self._results[key]
+
     def as_dict(self) -> dict:
         return dict(self._results)
 

@@ -68,12 +68,12 @@ def probe_result(technique) -> str | None:
     if window.state.depth:  # inside a window the probe would compare the fast path with itself
         raise RuntimeError("ms_loadpatch: fast-construction probes cannot run inside a construction window")
     if technique.name in _probe_results:
-        return _probe_results.as_dict()[technique.name]
+        return _probe_results[technique.name]
 
     def probe():
         with gc_pause.collection_paused(), randomstate.kept():
             _probe_groups(technique)
-        return _probe_results.as_dict()[technique.name]
+        return _probe_results[technique.name]
 
     with CONSTRUCTION_LOCK:  # first, always: a build reaching its start cell holds it when it asks
         return _probe_results.get(technique.name, probe)
@@ -88,7 +88,7 @@ def _probe_groups(technique):
             alongside=[
                 t
                 for t in TECHNIQUES
-                if t.engages_early and not switch.is_off(t.name) and _probe_results.as_dict()[t.name] is None
+                if t.engages_early and not switch.is_off(t.name) and _probe_results[t.name] is None
             ],
         )
 

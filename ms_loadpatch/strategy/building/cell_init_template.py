@@ -162,7 +162,9 @@ class CellInitTemplate(Technique):
         self.count.flush(self.cell_class)
 
     def leftovers(self):
-        found = [self.swap.leftover()] if self.swap is not None and self.swap.owns() else []
+        found = []
+        if self.original is not None and vars(self.cell_class).get("__init__") is not self.original:
+            found.append("nn.Cell.__init__ is not mindspore's")
         if self.count.pending:
             found.append(f"{self.name}: {self.count.pending} cells not counted")
         return found

@@ -126,5 +126,7 @@ class FlatNameWalk(Technique):
         self.swap.uninstall()
 
     def leftovers(self):
-        swap = getattr(self, "swap", None)
-        return [swap.leftover()] if swap is not None and swap.owns() else []
+        original = getattr(self, "original", None)
+        if original is not None and vars(self.cell_class).get("update_parameters_name") is not original:
+            return ["nn.Cell.update_parameters_name is not mindspore's"]
+        return []
