@@ -231,11 +231,11 @@ import mindspore as ms
 from mindspore import nn
 from mindone.diffusers import DiffusionPipeline
 from ms_loadpatch.tools._child import _max_rss_bytes, _reset_peak_rss, prime_memory, touch_all
-from ms_loadpatch.strategy import context
+from ms_loadpatch.strategy import reports
 from ms_loadpatch.testing import cpu_kernel_fallbacks
 reports = []
-emit = context.emit
-context.emit = lambda report: (reports.append(report.as_dict()), emit(report))
+emit = reports.emit
+reports.emit = lambda report: (reports.append(report.as_dict()), emit(report))
 path, dtype, prime = sys.argv[1], getattr(ms, sys.argv[2]), int(sys.argv[3])
 with cpu_kernel_fallbacks():
     prime_memory(prime)

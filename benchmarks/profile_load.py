@@ -48,7 +48,7 @@ def main(argv=None) -> int:
     spec_path = checkpoint(args.case)  # generated (once) before anything is imported for the load
 
     import ms_loadpatch
-    from ms_loadpatch.strategy.context import last_report
+    from ms_loadpatch.strategy.reports import last_report
     from ms_loadpatch.tools import bench
     from ms_loadpatch.tools._child import _fallbacks, _on_cpu, import_model_class, touch_all
 

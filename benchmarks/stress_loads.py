@@ -314,7 +314,7 @@ _counted = threading.local()
 
 
 def _count_accelerated(wrapped, instance, args, kwargs):
-    """Around ms_loadpatch.strategy.context.activate: an accelerated load in this thread."""
+    """Around ms_loadpatch.strategy.load.Load.running: an accelerated load in this thread."""
     _counted.loads = getattr(_counted, "loads", 0) + 1
     return wrapped(*args, **kwargs)
 
@@ -457,7 +457,8 @@ def leftover_state(before_threads, before_states):
     import wrapt
 
     from ms_loadpatch import core
-    from ms_loadpatch.strategy import building, context
+    from ms_loadpatch.strategy import building
+    from ms_loadpatch.strategy.load import Load
     from ms_loadpatch.strategy.building.lazy import CONSTRUCTION_LOCK
 
     found, notes = [], []
@@ -479,8 +480,8 @@ def leftover_state(before_threads, before_states):
         found.append("CONSTRUCTION_LOCK cannot be acquired from the main thread")
     if getattr(ms.Parameter, "init_param", True) is not True:
         found.append(f"Parameter.init_param left {getattr(ms.Parameter, 'init_param', None)!r}")
-    if context.current() is not None:
-        found.append("a LoadContext is still current in the main thread")
+    if Load.current() is not None:
+        found.append("a load is still current in the main thread")
     if not ms_loadpatch.is_enabled():
         found.append("the plugin is not enabled after the run")
     after_states = {key: state for key, (state, _) in core._PATCHER._states.items()}
@@ -607,13 +608,13 @@ def main(argv=None):
             import wrapt
 
             from ms_loadpatch import core
-            from ms_loadpatch.strategy import context
+            from ms_loadpatch.strategy.load import Load
 
             before_threads = {t.ident for t in threading.enumerate()}
             before_states = {key: state for key, (state, _) in core._PATCHER._states.items()}
             log("threads before the run: " + ", ".join(sorted(t.name for t in threading.enumerate())))
 
-            counting = wrapt.scoped_function_wrapper(context, "activate", _count_accelerated)
+            counting = wrapt.scoped_function_wrapper(Load, "running", _count_accelerated)
             counting.__enter__()
             if args.unpatched:
                 ms_loadpatch.disable()

@@ -19,8 +19,8 @@ def last_report():
     import sys
 
     # Only loaded once a load ran; looking it up keeps this free of imports.
-    context = sys.modules.get("ms_loadpatch.strategy.context")
-    return context.last_report() if context is not None else None
+    reports = sys.modules.get("ms_loadpatch.strategy.reports")
+    return reports.last_report() if reports is not None else None
 
 
 if not activation.switched_off():

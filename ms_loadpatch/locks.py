@@ -30,7 +30,7 @@ LOCK_ORDER = (
     ("lazy_import", "_lock"),
     ("eager_import_scan", "_eager_bound_lock"),
     ("fingerprints", "_checks._lock"),
-    ("strategy.context", "_handler_lock"),
+    ("strategy.reports", "_handler_lock"),
 )
 
 

@@ -26,13 +26,13 @@ def _api_rows() -> list[dict]:
 def _cast_on_read_rows() -> list[dict]:
     from .strategy import castread
 
-    return [castread.technique_status()]
+    return [castread.technique_status(list(versions.LIBRARIES))]
 
 
 def _cell_pass_rows() -> list[dict]:
     from .strategy import cellpasses
 
-    return [cellpasses.technique_status()]
+    return [cellpasses.technique_status(["transformers"])]  # the passes after a transformers build
 
 
 def _construction_rows() -> list[dict]:

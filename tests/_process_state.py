@@ -12,7 +12,8 @@ import wrapt
 
 import ms_loadpatch
 from ms_loadpatch import core
-from ms_loadpatch.strategy import context
+from ms_loadpatch.glue.build_then_fill import BuildThenFillCall
+from ms_loadpatch.strategy.load import Load
 from ms_loadpatch.strategy.building.lazy import CONSTRUCTION_LOCK
 
 
@@ -60,7 +61,8 @@ def assert_state_restored(before: dict) -> None:
         assert installed is handle, f"{key}: {installed!r} is installed instead of the handle"
     assert getattr(ms.Parameter, "init_param", True) is True, "no_init_parameters' class flag left off"
     assert _lock_is_free(), "construction lock still held"
-    assert context.current() is None, "a LoadContext is still current"
+    assert Load.current() is None, "a load is still current"
+    assert BuildThenFillCall.current() is None, "a build-then-fill call is still current"
     changed = {k for k in before["env"].keys() | after["env"].keys() if before["env"].get(k) != after["env"].get(k)}
     assert not changed, f"environment variables changed: {sorted(changed)}"
     from ms_loadpatch.strategy import building

@@ -207,9 +207,12 @@ def test_copies_into_lazy_parameters_without_the_fast_copy(unets, monkeypatch):
     """Where the lazy-assign probe fails, assign_value on a lazy parameter
     fills it with its own draw first and then assigns (as the plain build
     does): the same model and random state."""
+    import dataclasses
+
     from ms_loadpatch.glue import build_then_fill
 
-    monkeypatch.setattr(build_then_fill, "_fast_assign", lambda: False)
+    failed = dataclasses.replace(api_verdict(), lazy_assign_problem="injected: the fast copy differs")
+    monkeypatch.setattr(build_then_fill, "api_verdict", lambda: failed)
     reference, accelerated = load_both(lambda: CASES["union-controlnet"][1](unets["xl"]))
     assert_same_model(reference, accelerated)
 

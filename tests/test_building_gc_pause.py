@@ -9,7 +9,7 @@ from mindspore import nn
 
 from _building_helpers import seeded_load
 from _building_helpers import checkpoints  # noqa: F401  (a fixture)
-from ms_loadpatch.strategy import building, context
+from ms_loadpatch.strategy import building, reports
 from ms_loadpatch.testing import assert_same_model
 
 pytestmark = pytest.mark.usefixtures("cpu_kernels", "plugin_enabled")
@@ -42,14 +42,14 @@ def test_gc_paused_for_the_whole_load(checkpoints, monkeypatch, arch):
     cls, path = checkpoints[arch]
     seen = _gc_enabled_at_set_train(monkeypatch, cls)
     seeded_load(cls, path)
-    assert seen == [False] and context.last_report().gc_paused
+    assert seen == [False] and reports.last_report().gc_paused
     assert gc.isenabled() and building.leftovers() == []
-    assert "gc paused" in context.last_report().summary()
+    assert "gc paused" in reports.last_report().summary()
 
     seen.clear()
     seeded_load(cls, path, off="gc-pause")
-    assert seen == [True] and not context.last_report().gc_paused
-    assert "gc paused" not in context.last_report().summary()
+    assert seen == [True] and not reports.last_report().gc_paused
+    assert "gc paused" not in reports.last_report().summary()
 
     seen.clear()
     gc.disable()
@@ -58,7 +58,7 @@ def test_gc_paused_for_the_whole_load(checkpoints, monkeypatch, arch):
         assert not gc.isenabled()  # the application's setting, kept
     finally:
         gc.enable()
-    assert seen == [False] and not context.last_report().gc_paused
+    assert seen == [False] and not reports.last_report().gc_paused
 
 
 def test_gc_pause_held_until_the_last_overlapping_load_ends(checkpoints, monkeypatch):

@@ -33,7 +33,7 @@ from _building_helpers import (
 )
 from _building_helpers import checkpoints  # noqa: F401  (a fixture)
 import ms_loadpatch
-from ms_loadpatch.strategy import building, context
+from ms_loadpatch.strategy import building, reports
 from ms_loadpatch.strategy.building import state
 from ms_loadpatch.strategy.building.construction import lazy_construction
 from ms_loadpatch.strategy.building.lazy import CONSTRUCTION_LOCK
@@ -56,9 +56,9 @@ def test_transformers_same_objects(checkpoints, arch):
     with ms_loadpatch.disabled():
         reference = seeded_load(cls, path)
     fast = seeded_load(cls, path)
-    assert context.last_report().fast_construction_from == 0  # the suite's start: the first cell
+    assert reports.last_report().fast_construction_from == 0  # the suite's start: the first cell
     plain = seeded_load(cls, path, off="all")
-    assert context.last_report().fast_construction_from is None
+    assert reports.last_report().fast_construction_from is None
     assert_same_state(plain, fast)
     assert_same_state(reference, fast, skip=NEVER_DRAWN)
     assert_same_model(reference, fast)
@@ -164,10 +164,10 @@ def test_diffusers_same_objects(checkpoints, arch):
     with ms_loadpatch.disabled():
         reference = seeded_load(cls, path, mindspore_dtype=ms.bfloat16)
     fast = seeded_load(cls, path, mindspore_dtype=ms.bfloat16)
-    assert context.last_report().library == "diffusers"
-    assert context.last_report().fast_construction_from == 0  # the suite's start: the first cell
+    assert reports.last_report().library == "diffusers"
+    assert reports.last_report().fast_construction_from == 0  # the suite's start: the first cell
     plain = seeded_load(cls, path, off="all", mindspore_dtype=ms.bfloat16)
-    assert context.last_report().fast_construction_from is None  # every technique off: built plainly
+    assert reports.last_report().fast_construction_from is None  # every technique off: built plainly
     assert_same_state(plain, fast)
     assert_same_state(reference, fast)
     assert_same_model(reference, fast)

@@ -14,7 +14,7 @@ from _building_helpers import techniques_off
 from _building_helpers import checkpoints  # noqa: F401  (a fixture)
 from ms_loadpatch.strategy.building.swaps import Swap
 from ms_loadpatch.strategy.probe_cache import ProbeCache
-from ms_loadpatch.strategy import building, context, switch
+from ms_loadpatch.strategy import building, reports, switch
 from ms_loadpatch.strategy.building import batched_draws, deferred_writes, init_pass, probe
 from ms_loadpatch.strategy.building.lazy import CONSTRUCTION_LOCK
 from ms_loadpatch.testing import assert_same_model, load_both
@@ -261,6 +261,6 @@ def test_failed_probe_skips_and_load_stays_identical(checkpoints, monkeypatch):
     cls, path = checkpoints["mixtral"]
     reference, accelerated = load_both(lambda: cls.from_pretrained(path))
     assert installs == []
-    assert context.last_report().tensors_assigned > 0
-    assert context.last_report().writes_deferred == 0
+    assert reports.last_report().tensors_assigned > 0
+    assert reports.last_report().writes_deferred == 0
     assert_same_model(reference, accelerated)

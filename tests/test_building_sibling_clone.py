@@ -18,7 +18,7 @@ from _building_helpers import checkpoints  # noqa: F401  (a fixture)
 import mindone.transformers as mt
 import ms_loadpatch
 from ms_loadpatch import techniques
-from ms_loadpatch.strategy import building, context
+from ms_loadpatch.strategy import building, reports
 from ms_loadpatch.strategy.building.construction import lazy_construction
 
 pytestmark = pytest.mark.usefixtures("cpu_kernels", "plugin_enabled")
@@ -156,7 +156,7 @@ def test_load_report_and_status_say_what_was_copied_and_why_not(checkpoints):
     cls, path = checkpoints["qwen3_moe"]
     with ms_loadpatch.enabled():
         cls.from_pretrained(path)
-    report = context.last_report()
+    report = reports.last_report()
     assert report.cells_copied > 0 and f"({report.cells_copied} cells copied)" in report.summary()
     # every norm's weight (Parameter(mint.ones(n))): 2 layers x 4 norms and the final one
     assert report.host_tensors >= 9 and f"{report.host_tensors} factory tensors made on the host" in report.summary()

@@ -15,7 +15,7 @@ from ms_loadpatch.strategy.probe_cache import ProbeCache
 import ms_loadpatch
 from ms_loadpatch.strategy import building, cellpasses
 from ms_loadpatch.strategy.building import state
-from ms_loadpatch.strategy.context import last_report
+from ms_loadpatch.strategy.reports import last_report
 from ms_loadpatch.testing import assert_same_model, cpu_kernel_fallbacks
 
 pytestmark = pytest.mark.usefixtures("cpu_kernels")

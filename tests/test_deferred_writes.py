@@ -21,7 +21,7 @@ from ms_loadpatch.strategy.probe_cache import ProbeCache
 import ms_loadpatch
 from ms_loadpatch.strategy import building
 from ms_loadpatch.strategy.building import deferred_writes
-from ms_loadpatch.strategy.context import last_report
+from ms_loadpatch.strategy.reports import last_report
 from ms_loadpatch.testing import assert_same_model, cpu_kernel_fallbacks, load_both
 
 from _in_place_families import FAMILIES, WRITES_IN_PLACE, save_family
@@ -62,7 +62,7 @@ import numpy as np
 from safetensors.numpy import load_file
 import ms_loadpatch
 from ms_loadpatch.strategy import building
-from ms_loadpatch.strategy.context import last_report
+from ms_loadpatch.strategy.reports import last_report
 from ms_loadpatch.testing import compare, cpu_kernel_fallbacks, snapshot
 from _in_place_families import FAMILIES, save_family
 

@@ -27,9 +27,9 @@ from mindspore import mint  # noqa: E402
 
 from _helpers import flux_cpu_routes, tiny_unet, tiny_vae  # noqa: E402
 import ms_loadpatch  # noqa: E402
-from ms_loadpatch.glue import common as glue_common  # noqa: E402
 from ms_loadpatch.glue import diffusers as glue  # noqa: E402
-from ms_loadpatch.strategy import context  # noqa: E402
+from ms_loadpatch.strategy import load as strategy_load  # noqa: E402
+from ms_loadpatch.strategy import reports  # noqa: E402
 from ms_loadpatch.strategy.prefetch import read_file  # noqa: E402
 from ms_loadpatch.testing import assert_same_model, compare, cpu_kernel_fallbacks, load_both, snapshot  # noqa: E402
 
@@ -151,20 +151,22 @@ def ckpts(tmp_path_factory):
 def _reports(monkeypatch):
     """Every load report emitted from now on (nested loads included)."""
     seen = []
-    emit = context.emit
+    emit = reports.emit
 
     def spy(report):
         seen.append(report)
         emit(report)
 
-    monkeypatch.setattr(context, "emit", spy)
+    monkeypatch.setattr(reports, "emit", spy)
     return seen
 
 
 def _assert_fast_path(cls_name, n_params=None):
-    report = context.last_report()
+    report = reports.last_report()
     assert report is not None and report.library == "diffusers" and report.model_class == cls_name, report
-    assert report.technique.split(", cast to ")[0] == glue._TECHNIQUE, report.technique  # not a silent fallback
+    assert report.technique.split(", cast to ")[0] == glue.DiffusersLoad.technique, (
+        report.technique
+    )  # not a silent fallback
     if n_params is not None:
         assert report.tensors_assigned == n_params
     return report
@@ -172,7 +174,7 @@ def _assert_fast_path(cls_name, n_params=None):
 
 def _load_pair(cls_name, path, **kwargs):
     cls = getattr(D, cls_name)
-    context._last_reports.clear()  # a fallback must not pass on an earlier load's report
+    reports._last_reports.clear()  # a fallback must not pass on an earlier load's report
     with cpu_kernel_fallbacks():
         reference, accelerated = load_both(lambda: cls.from_pretrained(path, **kwargs))
     return reference, accelerated
@@ -312,17 +314,16 @@ def test_files_read_ahead(ckpts, tmp_path, monkeypatch, layout, kwargs):
 
     read_ahead = []
 
-    def only_predicted_files(ctx, file):
-        prefetcher = ctx.state.prefetcher
+    def only_predicted_files(prefetcher, file, cast_plan, reads):
         if prefetcher is None or not prefetcher.predicted(file):
             raise AssertionError(f"{file} was not predicted by the read-ahead")
         taken = prefetcher.take(file)
         if taken is None:  # its read had not started: read here, as take_or_read does
-            return read_file(file, ctx.state.cast_plan)
+            return read_file(file, cast_plan)
         read_ahead.append(file)
         return taken
 
-    monkeypatch.setattr(glue_common, "take_or_read", only_predicted_files)
+    monkeypatch.setattr(strategy_load, "take_or_read", only_predicted_files)
     with ms_loadpatch.enabled():
         accelerated = D.UNet2DConditionModel.from_pretrained(path, **kwargs)
     assert read_ahead, "no file came from the read-ahead"
@@ -520,7 +521,7 @@ def test_parallel_flag_set_at_import(ckpts):
         f"""
         import json, mindspore as ms, ms_loadpatch
         from mindone.diffusers import UNet2DConditionModel
-        from ms_loadpatch.strategy import context
+        from ms_loadpatch.strategy import reports
         from ms_loadpatch.testing import assert_same_model
         path = {ckpts.path("UNet2DConditionModel", FP16, sharded=True)!r}
         with ms_loadpatch.disabled():
@@ -530,7 +531,7 @@ def test_parallel_flag_set_at_import(ckpts):
             except NotImplementedError:
                 unpatched = "NotImplementedError"
         model = UNet2DConditionModel.from_pretrained(path, mindspore_dtype=ms.float16)
-        report = context.last_report()
+        report = reports.last_report()
         print("REPORT", json.dumps({{"unpatched": unpatched, "workers": report.read_workers,
               "assigned": report.tensors_assigned, "lazy": sum(p.has_init for p in model.get_parameters()),
               "dtypes": sorted({{str(p.dtype) for p in model.get_parameters()}})}}))
@@ -706,7 +707,11 @@ def test_pipeline(pipeline_dir, monkeypatch, entry, target):
     assert compared > 300
     assert accelerated.tokenizer("the an cat").input_ids == reference.tokenizer("the an cat").input_ids
     assert accelerated.scheduler.config == reference.scheduler.config
-    fast = {(r.library, r.model_class) for r in reports if r.technique.split(", cast to ")[0] == glue._TECHNIQUE}
+    fast = {
+        (r.library, r.model_class)
+        for r in reports
+        if r.technique.split(", cast to ")[0] == glue.DiffusersLoad.technique
+    }
     assert {("diffusers", "UNet2DConditionModel"), ("diffusers", "AutoencoderKL")} <= fast, [
         r.summary() for r in reports
     ]

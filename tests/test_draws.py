@@ -22,7 +22,7 @@ from ms_loadpatch.strategy.probe_cache import ProbeCache
 from ms_loadpatch.strategy import building
 from ms_loadpatch.strategy.building import batched_draws, draws, init_pass, replays
 from ms_loadpatch.strategy.building.lazy import lazy_parameters
-from ms_loadpatch.strategy.context import last_report
+from ms_loadpatch.strategy.reports import last_report
 from ms_loadpatch.testing import assert_same_model, cpu_kernel_fallbacks, load_both
 
 pytestmark = pytest.mark.usefixtures("cpu_kernels", "plugin_enabled")

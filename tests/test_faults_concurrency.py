@@ -22,10 +22,11 @@ import mindone.diffusers as md
 import mindone.transformers as mt
 import mindone.transformers.modeling_utils as tf_utils
 import ms_loadpatch
-from ms_loadpatch.glue import diffusers as glue_df
-from ms_loadpatch.glue import transformers as glue_tf
-from ms_loadpatch.strategy import context, prefetch, reader
+from ms_loadpatch.glue.build_then_fill import _CALLS, BuildThenFillCall
+from ms_loadpatch.strategy import prefetch, reader, reports
 from ms_loadpatch.strategy.building.lazy import CONSTRUCTION_LOCK
+from ms_loadpatch.strategy import load as strategy_load
+from ms_loadpatch.strategy.load import _LOADS, Load
 from ms_loadpatch.testing import assert_same_model, compare, cpu_kernel_fallbacks, load_both, snapshot
 from _process_state import assert_state_restored, process_state, raised
 
@@ -167,13 +168,13 @@ class _Abort(BaseException):
 @pytest.mark.parametrize("exception", [RuntimeError, _Abort])
 def test_fault_during_assignment(models, monkeypatch, exception):
     """assign() fails after putting the first tensor of a shard in place."""
-    real = glue_tf.assign
+    real = strategy_load.assign
 
     def failing(pairs, loaded, report, cast_at_read):
         real(pairs[:1], loaded, report, cast_at_read)
         raise exception("injected assignment failure")
 
-    monkeypatch.setattr(glue_tf, "assign", failing)
+    monkeypatch.setattr(strategy_load, "assign", failing)
     load, _ = models["qwen2"]
     before = process_state()
     with pytest.raises(exception, match="injected assignment failure"):
@@ -189,7 +190,7 @@ def test_fault_while_initialising_missing_weights(models, monkeypatch):
     def failing(*args, **kwargs):
         raise RuntimeError("injected init failure")
 
-    monkeypatch.setattr(glue_tf, "initialize_unloaded", failing)
+    monkeypatch.setattr(strategy_load, "initialize_unloaded", failing)
     load, _ = models["llama"]
     before = process_state()
     with pytest.raises(RuntimeError, match="injected init failure"):
@@ -206,7 +207,11 @@ def test_state_check_detects_leaks():
         (lambda: setattr(ms.Parameter, "init_param", False), lambda: setattr(ms.Parameter, "init_param", True)),
         (CONSTRUCTION_LOCK.acquire, CONSTRUCTION_LOCK.release),
         (lambda: os.environ.__setitem__("MS_LOADPATCH_LEAK", "1"), lambda: os.environ.pop("MS_LOADPATCH_LEAK")),
-        (lambda: setattr(context._local, "context", object()), lambda: delattr(context._local, "context")),
+        (lambda: setattr(_LOADS._local, "innermost", Load("Leak")), lambda: delattr(_LOADS._local, "innermost")),
+        (
+            lambda: setattr(_CALLS._local, "innermost", BuildThenFillCall("from_unet", False)),
+            lambda: delattr(_CALLS._local, "innermost"),
+        ),
     ]:
         leak()
         try:
@@ -268,7 +273,7 @@ def test_lazy_window_stays_in_its_thread(models, monkeypatch):
     mindspore's no_init_parameters (a class-level flag) it would be lazy, and
     an unpatched load of it would keep random values."""
     inside, go_on = threading.Event(), threading.Event()
-    real = glue_tf.lazy_construction
+    real = strategy_load.lazy_construction
 
     @contextlib.contextmanager
     def pausing(**kwargs):
@@ -277,7 +282,7 @@ def test_lazy_window_stays_in_its_thread(models, monkeypatch):
             go_on.wait(30)
             yield
 
-    monkeypatch.setattr(glue_tf, "lazy_construction", pausing)
+    monkeypatch.setattr(strategy_load, "lazy_construction", pausing)
     load, reference = models["llama"]
     result = {}
     loader = threading.Thread(target=lambda: result.update(model=load()))
@@ -313,26 +318,26 @@ def test_report_reads_its_build_under_the_construction_lock(models, monkeypatch,
     from ms_loadpatch.strategy.building import window
 
     seen = []
-    real = context.LoadReport.note_construction
+    real = reports.LoadReport.note_construction
 
     def note(report):
         seen.append((CONSTRUCTION_LOCK._is_owned(), window.window_open(), window.state.engaged_at))
         real(report)
 
-    monkeypatch.setattr(context.LoadReport, "note_construction", note)
+    monkeypatch.setattr(reports.LoadReport, "note_construction", note)
     load, reference = models[name]
     _assert_matches(reference, load(), name)
     assert seen == [(True, False, 0)]  # conftest: fast construction engages from the first cell
-    report = context.last_report()
+    report = reports.last_report()
     assert report.fast_construction_from == 0
     with ms_loadpatch.disabled():  # an unpatched build in between changes nothing in the report
         load()
-    assert context.last_report() is report and report.fast_construction_from == 0
+    assert reports.last_report() is report and report.fast_construction_from == 0
 
 
 @pytest.mark.parametrize(
     "name, pause_at",
-    [("qwen2", (glue_tf, "assign")), ("unet", (glue_df, "assign_in_final_dtype"))],
+    [("qwen2", (strategy_load, "assign")), ("unet", (strategy_load, "assign_in_final_dtype"))],
     ids=["transformers", "diffusers"],
 )
 def test_disable_during_in_flight_load(models, monkeypatch, name, pause_at):
@@ -382,9 +387,9 @@ def test_disable_during_in_flight_load(models, monkeypatch, name, pause_at):
         assert not ms_loadpatch.is_enabled()
         assert {row["state"] for row in ms_loadpatch.status()["targets"]} == {"skipped"}
         monkeypatch.undo()
-        last = context.last_report()
+        last = reports.last_report()
         _assert_matches(reference, load(), "load after disable()")
-        assert context.last_report() is last, "a load after disable() was accelerated"
+        assert reports.last_report() is last, "a load after disable() was accelerated"
     finally:
         ms_loadpatch.enable()
 
@@ -426,9 +431,9 @@ def debug_log(caplog):
 
 
 def _no_new_report(call):
-    last = context.last_report()
+    last = reports.last_report()
     result = call()
-    assert context.last_report() is last, "the fast path ran"
+    assert reports.last_report() is last, "the fast path ran"
     return result
 
 

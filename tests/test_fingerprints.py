@@ -10,7 +10,7 @@ import mindone.transformers as mt
 import ms_loadpatch
 from ms_loadpatch import fingerprints
 from ms_loadpatch.glue import common
-from ms_loadpatch.strategy import context
+from ms_loadpatch.strategy import reports
 from ms_loadpatch.testing import assert_same_model, cpu_kernel_fallbacks
 
 from _helpers import tiny_qwen2_config, tiny_vae
@@ -47,9 +47,9 @@ def _pretend_changed(monkeypatch, name):
 def _loaded(checkpoints, library):
     """(model, whether the load was accelerated)."""
     cls, directory = checkpoints[library]
-    context._last_reports.clear()
+    reports._last_reports.clear()
     model = cls.from_pretrained(directory)
-    report = context.last_report()
+    report = reports.last_report()
     return model, report is not None and report.library == library
 
 

@@ -23,8 +23,7 @@ import pytest
 from safetensors.numpy import load_file, save_file
 
 import ms_loadpatch
-from ms_loadpatch.glue import diffusers as df_glue
-from ms_loadpatch.glue import transformers as tf_glue
+from ms_loadpatch.strategy import load as strategy_load
 from ms_loadpatch.strategy import safetensors_header, threaded_read
 from ms_loadpatch.strategy.safetensors_header import CheckpointError
 from ms_loadpatch.testing import assert_same_model, load_both
@@ -106,7 +105,7 @@ def _interrupt_at(point, library, monkeypatch, interrupt, slow_read_seconds=0.5)
         monkeypatch.setattr(threaded_read, "_pread_into", pread)
     elif point == "assign":  # after part of the tensors went into the model
         if library == "tf":
-            real_assign = tf_glue.assign
+            real_assign = strategy_load.assign
 
             def assign(pairs, loaded, report, cast_at_read):
                 pairs = list(pairs)
@@ -114,9 +113,9 @@ def _interrupt_at(point, library, monkeypatch, interrupt, slow_read_seconds=0.5)
                 interrupt.hit()
                 real_assign(pairs[len(pairs) // 2 :], loaded, report, cast_at_read)
 
-            monkeypatch.setattr(tf_glue, "assign", assign)
+            monkeypatch.setattr(strategy_load, "assign", assign)
         else:
-            real_assign = df_glue.assign_in_final_dtype
+            real_assign = strategy_load.assign_in_final_dtype
 
             def assign(index, state_dict, *rest):
                 names = list(state_dict)
@@ -124,9 +123,9 @@ def _interrupt_at(point, library, monkeypatch, interrupt, slow_read_seconds=0.5)
                 interrupt.hit()
                 real_assign(index, {n: state_dict[n] for n in names[len(names) // 2 :]}, *rest)
 
-            monkeypatch.setattr(df_glue, "assign_in_final_dtype", assign)
+            monkeypatch.setattr(strategy_load, "assign_in_final_dtype", assign)
     elif point == "init-missing":  # while the weights the checkpoint lacks are initialised
-        module, name = tf_glue, "initialize_unloaded"
+        module, name = strategy_load, "initialize_unloaded"
         real_init = getattr(module, name)
 
         def initialize(*args, **kwargs):

@@ -265,7 +265,7 @@ def test_from_pretrained_under_lazy_import_is_bit_identical_to_unpatched_eager(t
         import mindone.transformers as mt
         import transformers as hf
         from ms_loadpatch import testing
-        from ms_loadpatch.strategy.context import last_report
+        from ms_loadpatch.strategy.reports import last_report
 
         mode, directory, snap = sys.argv[1:4]
         if mode == "write":

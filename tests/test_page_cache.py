@@ -12,7 +12,7 @@ import pytest
 import mindone.diffusers as md
 import mindone.transformers as mt
 import ms_loadpatch
-from ms_loadpatch.strategy import context, page_cache
+from ms_loadpatch.strategy import page_cache, reports
 from ms_loadpatch.strategy.threaded_read import cold_read_plan
 from ms_loadpatch.testing import assert_same_model, cpu_kernel_fallbacks
 
@@ -69,7 +69,7 @@ def test_policy_leaves_the_pages_as_asked_and_the_model_unchanged(checkpoints, m
         monkeypatch.setenv(page_cache.ENV_VAR, setting)
     _evicted(directory)
     accelerated = cls.from_pretrained(directory)
-    assert context.last_report() is not None and context.last_report().tensors_read > 0
+    assert reports.last_report() is not None and reports.last_report().tensors_read > 0
     assert len(_files(directory)) > (1 if name == "qwen2" else 0)
     fractions = [page_cache.resident_fraction(p) for p in _files(directory)]
     if setting == "drop":
@@ -99,7 +99,7 @@ def test_report_gives_each_file_read_and_whether_it_was_cold(checkpoints, monkey
     files = _files(directory)
     _evicted(directory)
     cls.from_pretrained(directory)
-    cold = context.last_report()
+    cold = reports.last_report()
     assert sorted(r.path for r in cold.files_read) == files
     assert [r.bytes for r in sorted(cold.files_read, key=lambda r: r.path)] == [os.path.getsize(p) for p in files]
     assert cold.bytes_read == sum(os.path.getsize(p) for p in files)
@@ -114,7 +114,7 @@ def test_report_gives_each_file_read_and_whether_it_was_cold(checkpoints, monkey
     )
 
     cls.from_pretrained(directory)
-    warm = context.last_report()
+    warm = reports.last_report()
     assert all(r.cached == 1.0 and not r.cold for r in warm.files_read) and len(warm.files_read) == len(files)
     assert all(r.threads < cold_read_plan().threads for r in warm.files_read)  # today's plan
     assert f"0 of {len(files)} cold" in warm.summary()

@@ -111,7 +111,7 @@ def test_msrun_local_worker_num_read_from_the_launching_msrun(tmp_path, flag):
 
 
 def test_report_names_the_share(clean_env):
-    from ms_loadpatch.strategy.context import LoadReport
+    from ms_loadpatch.strategy.reports import LoadReport
 
     report = LoadReport("Model", "transformers")
     report.local_ranks, report.rank, report.read_threads = 2, 1, 4

@@ -457,13 +457,16 @@ def index_dir(tmp_path_factory):
 def test_index_files_never_break_the_load(index_dir, index, raw):
     """A broken index is mindone's to report: the glue's look at it gives a
     list of shard paths in the directory, or none, and never raises."""
-    import mindone.transformers.modeling_utils  # noqa: F401 - the glue needs it imported
-    from ms_loadpatch.glue.transformers import _local_checkpoint_files
+    import mindone.transformers.modeling_utils as modeling_utils
+
+    from ms_loadpatch.glue import common
+    from ms_loadpatch.glue.transformers import TransformersLoad
 
     directory = index_dir
     text = raw if raw is not None else json.dumps(index).encode()
     (directory / "model.safetensors.index.json").write_bytes(text)
-    files = _local_checkpoint_files((str(directory),), {})
+    from_pretrained = modeling_utils.PreTrainedModel.from_pretrained
+    files = common.checkpoint_files(TransformersLoad, from_pretrained, (str(directory),), {}, modeling_utils)
     assert isinstance(files, list) and all(isinstance(f, str) for f in files)
     if raw is None and isinstance(index, dict) and isinstance(index.get("weight_map"), dict):
         names = list(index["weight_map"].values())

@@ -15,7 +15,7 @@ import pytest
 
 import mindone.transformers as mt
 import ms_loadpatch
-from ms_loadpatch.strategy import context
+from ms_loadpatch.strategy import reports
 from ms_loadpatch.strategy.safetensors_header import CheckpointError
 from ms_loadpatch.strategy import threaded_read
 from ms_loadpatch.strategy.threaded_read import cold_read_plan
@@ -125,7 +125,7 @@ def test_cold_load_uses_the_cold_plan_reads_each_byte_once_and_is_the_unpatched_
         before = storage.served()[0]
         accelerated = mt.Qwen2ForCausalLM.from_pretrained(storage.mountpoint)
         served = storage.served()[0] - before
-        report = context.last_report()
+        report = reports.last_report()
         assert sorted(r.path for r in report.files_read) == served_files
         assert all(r.cold and r.threads == cold_read_plan().threads for r in report.files_read)
         assert f"read with {cold_read_plan().threads} threads" in report.summary()
@@ -136,7 +136,7 @@ def test_cold_load_uses_the_cold_plan_reads_each_byte_once_and_is_the_unpatched_
         del accelerated, reference
 
         mt.Qwen2ForCausalLM.from_pretrained(storage.mountpoint)  # warm now: today's plan
-        assert not any(r.cold or r.threads == cold_read_plan().threads for r in context.last_report().files_read)
+        assert not any(r.cold or r.threads == cold_read_plan().threads for r in reports.last_report().files_read)
 
 
 def test_storage_failing_mid_load_names_the_file_and_leaves_nothing_behind(checkpoint):
@@ -196,7 +196,7 @@ def test_storage_with_a_delay_per_request_gets_the_cold_plan(wide_checkpoint):
         assert rate is not None and rate < threaded_read.SLOW_STREAM_BYTES_PER_S
         _cold([served_file])
         accelerated = mt.Qwen2ForCausalLM.from_pretrained(storage.mountpoint)
-        (read,) = context.last_report().files_read
+        (read,) = reports.last_report().files_read
         assert read.cold and read.threads == cold_read_plan().threads
         with ms_loadpatch.disabled():
             assert_same_model(mt.Qwen2ForCausalLM.from_pretrained(storage.mountpoint), accelerated)

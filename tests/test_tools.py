@@ -331,16 +331,16 @@ def test_report_env_var_prints_without_configuring_root_logging():
     code = textwrap.dedent(
         """
         import logging, os
-        from ms_loadpatch.strategy import context
-        report = context.LoadReport("Demo", "transformers")
+        from ms_loadpatch.strategy import reports
+        report = reports.LoadReport("Demo", "transformers")
         report.phases = {"construct": 0.5}
         report.technique = "demo technique"
-        context.emit(report)                      # variable unset: DEBUG, not shown
+        reports.emit(report)                      # variable unset: DEBUG, not shown
         os.environ["MS_LOADPATCH_REPORT"] = "1"
-        context.emit(report)                      # shown through our own handler
+        reports.emit(report)                      # shown through our own handler
         assert logging.getLogger().handlers == [], "root logger configured"
         logging.basicConfig(format="app: %(name)s %(message)s")  # the app takes over: shown once, its way
-        context.emit(report)
+        reports.emit(report)
         """
     )
     proc = run_python(code)

@@ -23,7 +23,7 @@ import mindone.transformers as mt
 import ms_loadpatch
 from ms_loadpatch.strategy import building
 from ms_loadpatch.strategy.building import state
-from ms_loadpatch.strategy.context import last_report
+from ms_loadpatch.strategy.reports import last_report
 from ms_loadpatch.testing import assert_same_model, cpu_kernel_fallbacks, load_both
 
 ARCHS = {

@@ -169,10 +169,9 @@ def _nan_recipe(values, want, differ):
     return tuple(recipe)
 
 
-def technique_status() -> dict:
-    """status()'s row: the dtype pairs cast while reading (probe passed) and
-    those left to Tensor.set_dtype, with why. Runs the probes."""
-    libraries = ["transformers", "diffusers"]
+def technique_status(libraries: list) -> dict:
+    """status()'s row for `libraries`: the dtype pairs cast while reading (probe
+    passed) and those left to Tensor.set_dtype, with why. Runs the probes."""
     if switched_off():
         return verdict.row_off(NAME, libraries, DESCRIPTION)
     row = {"name": NAME, "libraries": libraries, "description": DESCRIPTION}

@@ -330,10 +330,8 @@ def _compare_twins(nn) -> str | None:
     return None
 
 
-def technique_status() -> dict:
-    """status()'s row; runs the probe."""
+def technique_status(libraries: list) -> dict:
+    """status()'s row, for the `libraries` whose glue uses these passes; runs the probe."""
     if switched_off():
-        return verdict.row_off(NAME, ["transformers"], DESCRIPTION)
-    return verdict.row(
-        NAME, ["transformers"], DESCRIPTION, probe(), passed="probe passed: twin trees answer and end up alike"
-    )
+        return verdict.row_off(NAME, libraries, DESCRIPTION)
+    return verdict.row(NAME, libraries, DESCRIPTION, probe(), passed="probe passed: twin trees answer and end up alike")

@@ -9,6 +9,7 @@ not hold every fp32 shard at once.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -277,6 +278,20 @@ def local_checkpoint_files(candidates) -> CheckpointFiles:
     return CheckpointFiles()
 
 
+def shard_weight_map(paths) -> dict:
+    """key -> shard of the index files beside `paths`, kept where the shard is
+    one of `paths` (every variant's index is read, a later one winning)."""
+    directory = os.path.dirname(os.fspath(paths[0]))
+    weight_map = {}
+    for name in os.listdir(directory):
+        if name.endswith(".json") and ".safetensors.index" in name:
+            with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
+                with open(os.path.join(directory, name)) as f:
+                    weight_map.update(json.load(f)["weight_map"])
+    shards = {os.path.basename(os.fspath(p)) for p in paths}
+    return {key: shard for key, shard in weight_map.items() if isinstance(shard, str) and shard in shards}
+
+
 def read_file(path, cast_plan=None, threads=None, stop=None, staging=None, separate=False):
     """(arrays, metadata, cast_at_read) of one file: castread.read_cast with
     a plan, else reader.read_arrays (nothing cast while reading; `separate`:
@@ -290,41 +305,34 @@ def read_file(path, cast_plan=None, threads=None, stop=None, staging=None, separ
     return read_cast(path, cast_plan, threads, stop, staging)
 
 
-def start_prefetch(ctx, files: CheckpointFiles, cast_plan=None, progress_bars=None) -> Prefetcher | None:
-    """Read `files` in background threads for the load `ctx` (closed with it),
+def start_prefetch(files: CheckpointFiles, report, cleanup, cast_plan=None, progress_bars=None) -> Prefetcher | None:
+    """Read `files` in background threads, closed by `cleanup` (an ExitStack),
     casting what `cast_plan` casts; HF_ENABLE_PARALLEL_LOADING, read now,
-    sets the thread count. A long read shows its progress on a terminal
-    where `progress_bars()` (the library's setting; None: on) allows."""
+    sets the thread count, noted in `report`. A long read shows its progress
+    on a terminal where `progress_bars()` (the library's setting; None: on) allows."""
     workers = parallel_workers()
     share = node_share()
-    ctx.report.read_workers = workers
-    ctx.report.read_threads = read_threads(share)
-    ctx.report.local_ranks, ctx.report.rank = share.local_ranks, share.rank
-    ctx.state.cast_plan = cast_plan
-    ctx.state.listed_tensors = files.listed_tensors
+    report.read_workers = workers
+    report.read_threads = read_threads(share)
+    report.local_ranks, report.rank = share.local_ranks, share.rank
     if not files:
         return None
     progress = None
     if wanted(bars_enabled=progress_bars):
         progress = ReadProgress(sum(_size(path) for path in files)).start()
-        ctx.cleanup.callback(progress.close)  # after the prefetcher's close: its readers stopped first
+        cleanup.callback(progress.close)  # after the prefetcher's close: its readers stopped first
     prefetcher = Prefetcher(files, workers=workers, cast_plan=cast_plan, progress=progress)
-    ctx.cleanup.callback(prefetcher.close)
+    cleanup.callback(prefetcher.close)
     prefetcher.start()
-    ctx.state.prefetcher = prefetcher
     return prefetcher
 
 
-def take_or_read(ctx, path):
-    """read_file's result for `path`: the prefetched read if there is one,
-    else read now; the read's FileRead appended to the load's report."""
-    prefetcher = ctx.state.prefetcher
-    reads = ctx.report.files_read
+def take_or_read(prefetcher: Prefetcher | None, path, cast_plan, reads: list):
+    """read_file's result for `path`: `prefetcher`'s read if it has one, else
+    read now; the read's FileRead appended to `reads`."""
     taken = prefetcher.take(os.path.normpath(os.fspath(path)), reads) if prefetcher is not None else None
     if taken is not None:
         return taken
-    result, read = timed_read(
-        path, ctx.state.cast_plan, progress=prefetcher.progress if prefetcher is not None else None
-    )
+    result, read = timed_read(path, cast_plan, progress=prefetcher.progress if prefetcher is not None else None)
     reads.append(read)
     return result

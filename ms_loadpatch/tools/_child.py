@@ -153,9 +153,9 @@ def _task_load(task: dict) -> dict:
     if spec.dtype:
         kwargs["dtype" if library == "transformers" else "mindspore_dtype"] = getattr(ms, spec.dtype)
     on_cpu = _on_cpu()
-    from ..strategy import context
+    from ..strategy import reports
 
-    context._last_reports.clear()
+    reports._last_reports.clear()
     with _fallbacks(on_cpu):
         prime_memory(task.get("prime_bytes", 0))
         if task.get("barrier"):
@@ -172,7 +172,7 @@ def _task_load(task: dict) -> dict:
         touch_all(model)
         seconds = time.perf_counter() - start
     peak = _max_rss_bytes()
-    report = context.last_report()
+    report = reports.last_report()
     result = {
         "seconds": seconds,
         "rss_before_bytes": rss_before,

@@ -157,7 +157,7 @@ def _mb(n) -> str:
 
 
 def _while_reading(report: dict) -> str:
-    from ..strategy.context import cast_detail
+    from ..strategy.reports import cast_detail
 
     return cast_detail(report.get("tensors_cast_while_reading") or 0, report.get("tensors_read_again") or 0)
 

@@ -1,21 +1,18 @@
-"""Per-thread state of one accelerated load, and its report."""
+"""The report of one accelerated load: its phases, counts and technique, and
+the last one of the process (`ms_loadpatch.last_report()`)."""
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import logging
 import threading
 import time
-import typing
 
 from ..activation import env_flag
 from .building import window
 
 logger = logging.getLogger("ms_loadpatch.report")
 REPORT_ENV_VAR = "MS_LOADPATCH_REPORT"
-
-_local = threading.local()
 
 
 class LoadReport:
@@ -203,81 +200,3 @@ def emit(report: LoadReport) -> None:
         logger.info("%s", report.summary())
     else:
         logger.debug("%s", report.summary())
-
-
-if typing.TYPE_CHECKING:
-    from .castread import CastPlan, CastRegistry
-    from .prefetch import Prefetcher
-
-
-@dataclasses.dataclass
-class LoadState:
-    """What the glue's wrappers of one load hand each other (and the
-    prefetcher) across mindone's internals; ids are of models of this load."""
-
-    cast_at_read: CastRegistry | None = None  # the tensors cast while reading and not yet assigned
-    cast_plan: CastPlan | None = None  # what a read of this load casts (None: nothing)
-    prefetcher: Prefetcher | None = None  # the files read ahead (None: each file read when asked)
-    listed_tensors: int | None = None  # tensors the checkpoint's index lists (None: no index seen)
-    keys_read: set[str] = dataclasses.field(default_factory=set)  # every key read, checked against the index
-    last_file: str | None = None  # the file read last, named in errors about its tensors
-    load_done: bool = False  # mindone's loading path ran to its end
-    # transformers: per model, id(model) -> ...
-    model_keys: dict[int, set] = dataclasses.field(default_factory=dict)  # model.state_dict()'s keys
-    pt2ms_mappings: dict[int, dict] = dataclasses.field(default_factory=dict)  # mindone's _get_pt2ms_mappings(model)
-    assign_index: dict[int, dict] = dataclasses.field(default_factory=dict)  # construction.state_index(model)
-    # diffusers
-    fallback_reason: str | None = None  # why mindone's own loader loads this model
-    parameter_index: tuple | None = None  # (model, name -> (parameter, construction dtype))
-
-
-class LoadContext:
-    """What one from_pretrained call in this thread needs across mindone's
-    internals: the construction window, what was assigned, the load's state, the report."""
-
-    def __init__(self, report: LoadReport):
-        self.report = report
-        self.exit_stack = contextlib.ExitStack()  # the construction window
-        self.cleanup = contextlib.ExitStack()  # everything else, closed when the load ends
-        self.construction_root = None
-        self.constructing = False
-        self.ledger = None  # the random draws of its lazy parameters (building.draws.Ledger), transformers only
-        self.loaded: dict[int, object] = {}  # id(param) -> tensor assigned
-        self.state = LoadState()
-
-    def checkpoint_tensors(self) -> int | None:
-        """The tensors of the checkpoint being loaded, as far as known before
-        the build: its index's count, else those read already (mindone reads a
-        single file before it builds the model); None when neither is known."""
-        return self.state.listed_tensors or self.report.tensors_read or None
-
-    def close_construction(self) -> None:
-        if self.constructing:
-            self.constructing = False
-            self.exit_stack.close()  # the window's figures were noted before its lock was released
-
-
-def current() -> LoadContext | None:
-    return getattr(_local, "context", None)
-
-
-@contextlib.contextmanager
-def activate(report: LoadReport):
-    """Make a LoadContext current for this thread; nested loads (a pipeline
-    loading components) get their own and restore the outer one."""
-    outer = current()
-    context = LoadContext(report)
-    _local.context = context
-    start = time.perf_counter()
-    try:
-        yield context
-    finally:
-        try:
-            context.close_construction()  # also on error: lock and no-init flag released
-        finally:
-            try:
-                context.cleanup.close()
-            finally:
-                _local.context = outer
-                report.total = time.perf_counter() - start
-    emit(report)

@@ -48,6 +48,11 @@ def argument(wrapped, args, kwargs, name: str, default=None):
     return kwargs.get(name, default)
 
 
+def arguments(wrapped, args, kwargs, *names: str) -> tuple:
+    """The values of parameters `names` in the call (None for those left out)."""
+    return tuple(argument(wrapped, args, kwargs, name) for name in names)
+
+
 def with_argument(wrapped, args, kwargs, name: str, value):
     """(args, kwargs) of the same call with parameter `name` set to `value`,
     where the caller passed it (by position or by name; by name if not passed)."""

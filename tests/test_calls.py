@@ -4,7 +4,7 @@ wrappers that act only inside a load."""
 
 import pytest
 
-from ms_loadpatch.glue.calls import argument, inside_load, with_argument
+from ms_loadpatch.calls import argument, inside_load, with_argument
 
 
 def loader(model, state_dict, files, *, dtype=None, keep=None):

@@ -1,0 +1,230 @@
+"""One accelerated load running in this thread: what the wrappers of its
+calls hand each other, from the first call to the last, kept on one object.
+
+The glue subclasses `Load` once per kind of load and adds its own fields;
+a wrapper reaches the load it runs in with `Kind.current()`, which is None
+outside a load of that kind. Nested loads (a pipeline loading its
+components) each run their own and restore the outer one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+import time
+
+import mindspore as ms
+
+from . import reports
+from .assign import assign, assign_in_final_dtype, check_and_pair
+from .building import draws, init_pass
+from .building.construction import initialize_unloaded, lazy_construction
+from .castread import CastRegistry
+from .prefetch import CheckpointFiles, start_prefetch, take_or_read
+from .safetensors_header import CheckpointError, file_named_in_errors
+from .tensors import to_tensor
+
+
+class Lane:
+    """Objects of one kind running in this thread: `current()` is the
+    innermost, `entered(obj)` makes `obj` current for a block."""
+
+    def __init__(self):
+        self._local = threading.local()
+
+    def current(self):
+        return getattr(self._local, "innermost", None)
+
+    @contextlib.contextmanager
+    def entered(self, obj):
+        outer, self._local.innermost = self.current(), obj
+        try:
+            yield obj
+        finally:
+            self._local.innermost = outer
+
+
+_LOADS = Lane()
+
+
+class Load:
+    """State of one accelerated load; ids are of models of this load."""
+
+    library = ""  # the report's library and technique, set by each kind
+    technique = ""
+
+    def __init__(self, model_class: str):
+        self.report = reports.LoadReport(model_class, self.library)
+        self.report.technique = self.technique
+        self.window = contextlib.ExitStack()  # the construction window, closed by close_construction
+        self.cleanup = contextlib.ExitStack()  # everything else, closed when the load ends
+        self.construction_root = None  # the outermost model built, once its build began
+        self.constructing = False
+        self.ledger = None  # its lazy parameters' random draws (building.draws.Ledger), where taken
+        self.loaded: dict[int, object] = {}  # id(param) -> tensor assigned
+        self.cast_at_read = CastRegistry()  # tensors cast while reading and not yet assigned
+        self.cast_plan = None  # what a read of this load casts (castread.CastPlan; None: nothing)
+        self.prefetcher = None  # the files read ahead (None: each file read when asked)
+        self.listed_tensors: int | None = None  # tensors the checkpoint's index lists (None: no index seen)
+        self.keys_read: set[str] = set()  # every key read, checked against the index
+        self.last_file: str | None = None  # the file read last, named in errors about its tensors
+        self.done = False  # the library's loading path ran to its end
+
+    @classmethod
+    def current(cls):
+        """The load running in this thread, if it is one of this kind, else None."""
+        load = _LOADS.current()
+        return load if isinstance(load, cls) else None
+
+    @contextlib.contextmanager
+    def running(self):
+        """This load current in this thread for the block; its window and
+        cleanup closed after it, also on error, and its report emitted."""
+        start = time.perf_counter()
+        with _LOADS.entered(self):
+            try:
+                yield self
+            finally:
+                try:
+                    self.close_construction()  # also on error: lock and no-init flag released
+                finally:
+                    try:
+                        self.cleanup.close()
+                    finally:
+                        self.report.total = time.perf_counter() - start
+        reports.emit(self.report)
+
+    def start_reading(self, files: CheckpointFiles, cast_plan, progress_bars=None) -> None:
+        """Read `files` ahead, in background threads closed with the load, casting what `cast_plan` casts."""
+        self.cast_plan = cast_plan
+        self.listed_tensors = files.listed_tensors
+        self.prefetcher = start_prefetch(files, self.report, self.cleanup, cast_plan, progress_bars)
+
+    def checkpoint_tensors(self) -> int | None:
+        """The checkpoint's tensor count as far as known before the build: its
+        index's count, else those read already (mindone reads a single file
+        before it builds the model); None when neither is known."""
+        return self.listed_tensors or self.report.tensors_read or None
+
+    @contextlib.contextmanager
+    def construction(self, ledger=None):
+        """The lazy window of this load's build (construction.lazy_construction), timed in its report."""
+        window = lazy_construction(
+            checkpoint_tensors=self.checkpoint_tensors(), when_built=self.report.note_construction, ledger=ledger
+        )
+        with self.report.phase("construct"), window:
+            yield
+
+    def open_construction(self, root, ledger=None) -> None:
+        """The construction window for `root`, the outermost model, open until close_construction; its lazy
+        parameters take their draws in `ledger` (draws.Ledger, kept until the load ends), if given."""
+        if ledger is not None:
+            self.ledger = ledger
+            self.cleanup.enter_context(draws.giving_back(ledger))
+        self.construction_root = root
+        self.window.enter_context(self.construction(ledger))
+        self.constructing = True
+
+    def run_init_pass(self, run) -> None:
+        """`run(ledger, counts)`, an init pass over the lazily built model, with parameters filled on touch
+        (init_pass.filling_on_touch), counted in the report."""
+        report = self.report
+        with report.phase("init-pass"), init_pass.filling_on_touch(self.ledger) as counts:
+            run(self.ledger, counts)
+        report.filled_in_init_pass += counts.filled
+        report.writes_deferred += counts.deferred
+        report.init_calls_replayed += counts.replayed
+
+    def fill_missing(self, model) -> None:
+        """What the checkpoint lacked initialised as the unpatched load leaves it; the load done."""
+        report = self.report
+        with report.phase("init-missing"):
+            report.missing_initialised = initialize_unloaded(model, self.ledger)
+        if self.ledger is not None:
+            report.draws_taken, report.initializers_run_in_full = self.ledger.draws, self.ledger.run_in_full
+        self.done = True
+        self.loaded.clear()
+
+    def close_construction(self) -> None:
+        if self.constructing:
+            self.constructing = False
+            self.window.close()  # the window's figures were noted before its lock was released
+
+    def read(self, path):
+        """(arrays, metadata, cast_at_read) of one file: the prefetched read if
+        there is one, counted in the report, its keys and name kept for the
+        index check and errors."""
+        with self.report.phase("read"):
+            arrays, metadata, cast_at_read = take_or_read(self.prefetcher, path, self.cast_plan, self.report.files_read)
+        self.report.tensors_read += len(arrays)
+        self.report.shards += 1
+        self.keys_read.update(arrays)
+        self.last_file = os.fspath(path)
+        return arrays, metadata, cast_at_read
+
+    def tensors_of(self, arrays, cast_at_read) -> dict:
+        """name -> Tensor sharing each array; those cast while reading listed in the load's registry."""
+        tensors = {name: to_tensor(array) for name, array in arrays.items()}
+        self.cast_at_read.add(tensors, cast_at_read)
+        return tensors
+
+    def check_index_against_shards(self, files, listed_keys, weight_map) -> None:
+        """Refuse a tensor the index lists but no shard read holds (the library
+        would leave it randomly initialised without a word), naming the file
+        the index points to and the key. `weight_map()`: key -> shard file name."""
+        key = next((key for key in listed_keys if key not in self.keys_read), None)
+        if key is None:
+            return
+        shard = weight_map().get(key)
+        path = next((f for f in files if os.path.basename(os.fspath(f)) == shard), shard or files[0])
+        raise CheckpointError(
+            path, "the checkpoint's index lists this tensor in this file, but no shard holds it", key=key
+        )
+
+    def assign(self, index, state_dict, model_class: str) -> None:
+        """`state_dict` into the parameters `index` (construction.state_index) lists, checked first (shapes,
+        names) with the file read last named in errors."""
+        try:
+            pairs = check_and_pair(index, state_dict, model_class)
+        except RuntimeError as exc:
+            if self.last_file is None:
+                raise
+            raise RuntimeError(f"{exc}\n\t(checkpoint file: {self.last_file})") from None
+        try:
+            with file_named_in_errors(self.last_file):
+                assign(pairs, self.loaded, self.report, self.cast_at_read)
+        finally:
+            self.cast_at_read.clear()  # tensors the library dropped (unexpected keys) are freed
+
+    def assign_in_final_dtype(self, index, state_dict, dtype, keep_in_fp32_modules) -> None:
+        """assign.assign_in_final_dtype of `state_dict`; what it leaves (unexpected keys) freed."""
+        try:
+            assign_in_final_dtype(index, state_dict, dtype, keep_in_fp32_modules, self.report, self.cast_at_read)
+        finally:
+            self.cast_at_read.clear()
+
+    def as_parameters_of_file(self, state_dict: dict) -> dict:
+        """`state_dict` with each tensor read by this load a Parameter of the file's values (as the library's
+        own loader reads them: none cast while reading)."""
+        return {
+            k: v if isinstance(v, ms.Parameter) else ms.Parameter(self.cast_at_read.as_in_file(v, self.report), name=k)
+            for k, v in state_dict.items()
+        }
+
+    def mapped_as_unpatched(self, mapping, tensor, name):
+        """`mapping(tensor)`, a key's pt -> ms mapping; one that transforms the
+        values (Conv1d) of a tensor cast while reading is given the file's
+        values (read again), as the unpatched load maps them before any cast."""
+        mapped = _mapped(mapping, tensor, name)
+        if mapped is not tensor:
+            in_file = self.cast_at_read.as_in_file(tensor, self.report)
+            mapped = mapped if in_file is tensor else _mapped(mapping, in_file, name)
+        return mapped
+
+
+def _mapped(mapping, tensor, name):
+    try:
+        return mapping(tensor)
+    except AttributeError:  # Conv1d mappings read `.name`, which only a Parameter has
+        return mapping(ms.Parameter(tensor, name=name))
