@@ -11,8 +11,9 @@ turns, medians; every weight touched before the clock stops.
 
 Cases: `bench` (the built-in default checkpoint, `ms-loadpatch bench`'s),
 `moe` (the Mixtral-style MoE of bench_transformers.py, 48 layers x 128
-experts, 18.8k tensors), `qwen2` (Qwen2-0.5B's shape, fp32, 2 GB), and any
-MoE family of moe_families.py (24 layers x 128 experts, fp32).
+experts, 18.8k tensors), `qwen2` (Qwen2-0.5B's shape, fp32, 2 GB), `unet`
+(bench_diffusers.py's full UNet2DConditionModel, fp32, sharded: a diffusers
+load), and any MoE family of moe_families.py (24 layers x 128 experts, fp32).
 `--unpatched` adds an unpatched load to each round (each side's speed-up
 over it); `--floors` measures mindspore's `no_init_parameters` build of the
 model once per case and prints each side's construct phase against it.
@@ -28,6 +29,7 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from ms_loadpatch.tools import bench  # noqa: E402
 
+from bench_diffusers import SIZES as DIFFUSERS_SIZES  # noqa: E402
 from bench_transformers import SIZES, generate  # noqa: E402
 from moe_families import families  # noqa: E402
 
@@ -40,6 +42,11 @@ def checkpoint(case: str) -> str:
         return bench.cached_checkpoint("tf-full-moe", "MixtralForCausalLM", config["moe"], config["moe_shard"])
     if case == "qwen2":
         return bench.cached_checkpoint("tf-full-qwen2", "Qwen2ForCausalLM", config["qwen2"], config["qwen2_shard"])
+    if case == "unet":
+        config = DIFFUSERS_SIZES["full"]
+        return bench.cached_checkpoint(
+            "df-full-unet-sharded", "UNet2DConditionModel", config["unet"], config["shard"], library="diffusers"
+        )
     if case in families():
         return generate("full", None)[case]
     raise SystemExit(f"unknown case {case}")
