@@ -32,9 +32,7 @@ _LOADING_PATH = ("_load_pretrained_model", "_fix_state_dict_keys_on_load", "to",
 # kwargs mindone hands to other code paths, or that the fast path does not model
 _FALLBACK_KWARGS = ("from_flax", "dduf_entries", "device_map", "quantization_config", "state_dict")
 _FILE = "diffusion_pytorch_model.safetensors"
-_SHARD_ARGUMENTS = (
-    "shard_file model model_state_dict loaded_keys ignore_mismatched_sizes dtype keep_in_fp32_modules".split()
-)
+_SHARD_ARGS = "shard_file model model_state_dict loaded_keys ignore_mismatched_sizes dtype keep_in_fp32_modules".split()
 
 
 def _modeling_utils():
@@ -189,7 +187,7 @@ def load_shard_file(wrapped, instance, args, kwargs):
     if load is None or load.parameter_index is None:
         return wrapped(*args, **kwargs)
     shard_file, model, model_state_dict, loaded_keys, ignore_sizes, dtype, keep_in_fp32 = arguments(
-        wrapped, args, kwargs, *_SHARD_ARGUMENTS
+        wrapped, args, kwargs, *_SHARD_ARGS
     )
     if load.parameter_index[0] is not model:
         return wrapped(*args, **kwargs)

@@ -93,7 +93,8 @@ def _accelerated(wrapped, instance, args, kwargs):
         return common.accelerated_load(TransformersLoad(instance.__name__), wrapped, args, kwargs, _modeling_utils())
     except Exception as exc:
         # mindone checks a single file with safe_open and its metadata, in errors that do not name it
-        path = common.traceback_local(exc, "resolved_archive_file", getattr(wrapped, "__func__", wrapped).__code__)
+        code = getattr(getattr(wrapped, "__func__", wrapped), "__code__", None)  # never raise over `exc`
+        path = common.traceback_local(exc, "resolved_archive_file", code) if code is not None else None
         better = safe_open_error_naming_file(exc, path) if path is not None else None
         if better is None and path is not None and isinstance(exc, ValueError) and "safetensors file" in str(exc):
             better = exception_naming_file(exc, path)  # "Incompatible safetensors file..."
