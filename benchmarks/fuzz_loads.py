@@ -16,7 +16,7 @@ patched, both from the same global random state. The property:
   file the safetensors library refuses;
 - never a crash or a hang (faulthandler ends the run after --timeout
   seconds), nothing left behind (stress_loads.leftover_state: patches,
-  locks, LoadContext, threads), and no read allocating more than the file
+  locks, a current load, threads), and no read allocating more than the file
   could hold (tracemalloc peak of a read case under 2x the file + 64 MB).
 
 Targets: full from_pretrained loads of a tiny Qwen2 (single file; sharded,

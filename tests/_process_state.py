@@ -44,7 +44,7 @@ def _lock_is_free() -> bool:
 def assert_state_restored(before: dict) -> None:
     """Every target still patched by the same, still installed, handle;
     Parameter's no-init flag back on; the construction lock free; no
-    LoadContext left current; the environment unchanged."""
+    load or build-then-fill call left current; the environment unchanged."""
     after = process_state()
     assert after["enabled"] == before["enabled"], f"enabled {before['enabled']} -> {after['enabled']}"
     # A module first imported during the call gets its targets patched by the
