@@ -63,17 +63,17 @@ def with_argument(wrapped, args, kwargs, name: str, value):
 
 
 def inside_load(active):
-    """Decorates a wrapper `wrapper(ctx, wrapped, instance, args, kwargs)` run
-    only inside the load `active()` returns (its context, or None): anywhere
+    """Decorates a wrapper `wrapper(load, wrapped, instance, args, kwargs)` run
+    only inside the load `active()` returns (the load, or None): anywhere
     else the call goes straight through."""
 
     def decorate(wrapper):
         @functools.wraps(wrapper)
         def gated(wrapped, instance, args, kwargs):
-            ctx = active()
-            if ctx is None:
+            load = active()
+            if load is None:
                 return wrapped(*args, **kwargs)
-            return wrapper(ctx, wrapped, instance, args, kwargs)
+            return wrapper(load, wrapped, instance, args, kwargs)
 
         return gated
 
