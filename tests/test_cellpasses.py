@@ -89,6 +89,48 @@ def test_set_plain_writes_as_setattr():
     assert state.model_state(fast) == state.model_state(real)
 
 
+def _flagged_tree():
+    """_tree() with a parameter and a cell named like the flag, and one cell already flagged."""
+    root = _tree()
+    root.first[1]._is_hf_initialized = True
+    root.named = nn.Cell()
+    root.named._is_hf_initialized = ms.Parameter(ms.Tensor(np.ones(1, np.float32)), name="flag")
+    root.holder = nn.Cell()
+    root.holder._is_hf_initialized = nn.ReLU()
+    return root
+
+
+def test_plain_flag_state_answers_as_getattr_and_set_writes_as_setattr():
+    """PlainFlag.plain_state: True where getattr finds the flag set, the instance dict where it is unset and
+    setattr would only write it there, None where mindspore's own lookup must tell (a class with its own
+    __getattr__ or flag, a parameter or cell of that name); marking the unset ones through that dict leaves
+    the tree as setattr does."""
+    flag = cellpasses.PlainFlag("_is_hf_initialized")
+    real, fast = _flagged_tree(), _flagged_tree()
+    answers = set()
+    for (_, a), (_, b) in zip(real.cells_and_names(), fast.cells_and_names()):
+        found = flag.plain_state(b)
+        answers.add(type(found).__name__)
+        if found is True:
+            assert getattr(a, "_is_hf_initialized", False) is True
+            continue
+        if found is not None:
+            assert not hasattr(a, "_is_hf_initialized") and found is b.__dict__
+            found[flag.name] = flag.value
+        else:
+            assert not cellpasses._plain_for(type(b), flag.name) or hasattr(b, flag.name)
+        raised = []
+        for cell, mark in ((a, lambda c: setattr(c, "_is_hf_initialized", True)), (b, flag.set)):
+            try:
+                if cell is a or found is None:
+                    mark(cell)
+            except TypeError as exc:  # a bool over a parameter of that name: mindspore refuses it
+                raised.append(str(exc))
+        assert len(raised) in (0, 2) and len(set(raised)) <= 1, raised
+    assert answers == {"bool", "dict", "NoneType"}
+    assert state.model_state(fast) == state.model_state(real)
+
+
 def test_probe_fails_on_a_set_train_that_misses_a_flag(monkeypatch):
     """A fast path reaching children by truthiness (missing an empty CellList) fails the probe."""
     real_set_train = cellpasses.set_train

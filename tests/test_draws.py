@@ -406,6 +406,93 @@ def test_owed_draws_take_randint_when_the_words_are_not_usable(monkeypatch):
     assert not taken and other[0] == words[0]
 
 
+def test_owing_with_templates_the_ledger_knows_takes_no_keys_and_the_same_draws(monkeypatch):
+    """A copy whose parameters' templates (initializer, shape) the ledger
+    knows draw once or never owes each draw without looking its key up: the
+    same seeds and numpy state as the keyed path. A template whose key never
+    reached a draw keeps the keyed path."""
+    from mindspore.common.initializer import HeUniform, Zero
+
+    keys = []
+    draw_key = draws._draw_key
+    monkeypatch.setattr(draws, "_draw_key", lambda *args: keys.append(args[0]) or draw_key(*args))
+
+    def owed(templates):
+        ledger = draws.Ledger()
+        first = [initializer(Normal(0.1), (2, 3), ms.float32), initializer(HeUniform(), (4, 2), ms.float32)]
+        made = [
+            made
+            for _ in range(2)
+            for made in (
+                initializer(Normal(0.1), (2, 3), ms.float32),
+                initializer(Zero(), (3,), ms.float32),
+                initializer(HeUniform(), (4, 2), ms.float32),
+            )
+        ]
+        np.random.seed(13)
+        with draws.accounting(ledger):
+            for tensor in first:
+                ledger.take(tensor)
+            keys.clear()
+            with draws.owing(templates):
+                for tensor in made:
+                    ledger.take(tensor)
+        seeds = [None if ledger.seeds.get(id(t)) is None else int(ledger.seeds[id(t)][1]) for t in made]
+        return seeds, np.random.get_state(), len(keys)
+
+    templates = ((Normal(0.1), (2, 3)), (Zero(), (3,)), (HeUniform(), (4, 2)))
+    keyed, known, unknown = owed(None), owed(templates), owed(templates + ((Normal(0.2), (2, 3)),))
+    assert keyed[0].count(None) == 2 and len(set(keyed[0])) == 5  # the zeros draw nothing; four seeds
+    for other in (known, unknown):
+        assert other[0] == keyed[0] and batched_draws.same_numpy_state(other[1], keyed[1])
+    assert (keyed[2], known[2], unknown[2]) == (4, 2, 3 + 4)  # known: the templates' check alone
+
+
+@pytest.mark.parametrize("shape", [(), (5,), (3, 4), (2, 3, 4), (1 << 16, 1 << 15)])
+def test_a_draw_captured_from_an_initializer_is_the_plain_draw_without_allocating(shape):
+    """Each class the tables confirm is stopped at its draw on an array over
+    one element: the seed is the draw the plain build's fill makes (or the
+    same error), and for a tensor of 8 GiB, the classes that draw before
+    they allocate anything of their own allocate nothing on the way."""
+    import tracemalloc
+
+    from mindspore.common import initializer as module
+
+    one_draw = draws.verified_classes()[1]
+    assert one_draw
+    for kind in one_draw:
+        ledger = draws.Ledger()
+        tensor = initializer(kind(), shape, ms.float32)
+        np.random.seed(14)
+        expected = np.random.randint(low=1, high=1 << 63, dtype=np.int64)
+        if shape[:1] != (1 << 16,):  # small: the plain fill's draw, or its error
+            np.random.seed(14)
+            try:
+                module.initializer(kind(), shape, ms.float32).init_data()
+                plain_error = None
+            except Exception as exc:  # noqa: BLE001 - compared with the capture's
+                plain_error = type(exc)
+            np.random.seed(14)
+        else:
+            plain_error = None
+            np.random.seed(14)
+        tracemalloc.start()
+        try:
+            with draws.accounting(ledger):
+                ledger.take(tensor)
+            peak = tracemalloc.get_traced_memory()[1]
+            captured_error = None
+        except Exception as exc:  # noqa: BLE001 - compared with the plain fill's
+            captured_error, peak = type(exc), 0
+        finally:
+            tracemalloc.stop()
+        assert captured_error == plain_error, kind
+        if plain_error is None:
+            assert int(ledger.seeds[id(tensor)][1]) == expected and ledger.run_in_full == 0, kind
+            if kind.__name__ in ("Normal", "Uniform", "HeUniform", "HeNormal", "XavierUniform"):
+                assert peak < 1 << 20, (kind, peak)
+
+
 def test_a_large_batch_is_one_randint(monkeypatch):
     """A batch over WORDS_UP_TO (an init pass's replayed draws) is one randint,
     cheaper there than the words; a small one is made from the words. Both
@@ -482,14 +569,14 @@ def test_replayed_draws_in_batches_give_the_unpatched_model_and_state(mixtral_la
         owed.append(len(ledger.owed))
         take(ledger)
 
-    def counting_owing():
+    def counting_owing(*args):
         owing.append(1)
-        return owing_context()
+        return owing_context(*args)
 
     monkeypatch.setattr(draws.Ledger, "take_owed_draws", counting)
     monkeypatch.setattr(draws, "owing", counting_owing)
     if mode == "replays":
-        monkeypatch.setattr(draws, "owing", contextlib.nullcontext)
+        monkeypatch.setattr(draws, "owing", lambda *args: contextlib.nullcontext())
     if mode == "one-by-one":
         monkeypatch.setenv("MS_LOADPATCH_TECHNIQUES_OFF", init_pass.BATCHED_DRAWS)
     ms.set_seed(5)

@@ -175,16 +175,16 @@ def _init_pass(owner, ledger, counts):
     if type(owner)._initialize_weights is not _modeling_utils().PreTrainedModel._initialize_weights:
         init_pass.run(owner, owner._initialize_weights)
         return
-    flag_of, set_plain = cellpasses.flag_lookups()
+    if cellpasses.active():
+        flags = {"flag": cellpasses.PlainFlag("_is_hf_initialized")}
+    else:
+        flags = {
+            "is_done": lambda cell: getattr(cell, "_is_hf_initialized", False),
+            "mark_done": lambda cell: setattr(cell, "_is_hf_initialized", True),
+        }
+    recipes = building.copied_from_by_id()
     init_pass.run(
-        owner,
-        owner._init_weights,
-        is_done=lambda cell: flag_of(cell, "_is_hf_initialized"),
-        mark_done=lambda cell: set_plain(cell, "_is_hf_initialized", True),
-        ledger=ledger,
-        copied_from=building.copied_from,
-        counts=counts,
-        owe_draws=True,
+        owner, owner._init_weights, **flags, ledger=ledger, recipe_by_id=recipes, counts=counts, owe_draws=True
     )
 
 

@@ -186,9 +186,34 @@ def flag_value(cell, name: str):
     return _plain_has(cell, instance_dict, name) and getattr(cell, name, False)
 
 
-def flag_lookups():
-    """(flag_value, set_plain) for one pass: this module's when active, else getattr and setattr."""
-    return (flag_value, set_plain) if active() else (lambda cell, name: getattr(cell, name, False), setattr)
+class PlainFlag:
+    """A flag a pass reads as `getattr(cell, name, False)` and sets as
+    `setattr(cell, name, value)`, through flag_value and set_plain."""
+
+    def __init__(self, name: str, value=True):
+        self.name, self.value = name, value
+
+    def is_set(self, cell):
+        return flag_value(cell, self.name)
+
+    def set(self, cell) -> None:
+        set_plain(cell, self.name, self.value)
+
+    def plain_state(self, cell):
+        """On a plain cell: True when the flag is set; its instance `__dict__`
+        when it is unset and `set` would only write it there (no parameter,
+        cell or buffer of that name). None otherwise (is_set tells)."""
+        name = self.name
+        if not _plain_for(type(cell), name) or type(self.value) not in _PLAIN_VALUES:
+            return None
+        instance_dict = cell.__dict__
+        if name in instance_dict:
+            return True if instance_dict[name] else None
+        for attr in GETATTR_DICTS:
+            found = instance_dict.get(attr)
+            if found is not None and name in found:
+                return None
+        return instance_dict
 
 
 def set_train(root, mode: bool) -> None:

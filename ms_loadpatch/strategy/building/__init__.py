@@ -57,10 +57,11 @@ def named_parameters(root, cells: list | None = None) -> list | None:
     return _FLAT_NAME_WALK.named_parameters(root, cells)
 
 
-def copied_from(cell):
-    """The sibling-clone recipe `cell` was copied from in the calling
-    thread's open window, or None (built by its __init__, or no window)."""
-    return _SIBLING_CLONE.copied_from(cell) if window.in_builder() else None
+def copied_from_by_id():
+    """A lookup of id(cell) -> the sibling-clone recipe the cell was copied
+    from, for calls from this thread while its window stays open (outside the
+    builder, one that finds none)."""
+    return _SIBLING_CLONE.copied_from_by_id() if window.in_builder() else {}.get
 
 
 def probe_result(technique) -> str | None:

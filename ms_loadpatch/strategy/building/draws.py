@@ -75,6 +75,7 @@ class Ledger:
         # initializer tensors whose draw is owed, in order: taken together by take_owed_draws()
         self.owed: list = []
         self._batching: bool | None = None  # batching_allowed(), read once per load
+        self._known: dict[int, tuple] = {}  # id(templates) -> templates that knows_draws() confirmed
 
     def take(self, tensor) -> None:
         """The draws the plain build makes when it fills `tensor` (a lazy
@@ -88,10 +89,10 @@ class Ledger:
             return
         key = None
         if kind in one_draw:
-            # what an initializer checks before its draw (sigma, fans, gain) depends on these alone
             try:
-                key = (kind, tensor.shape, tuple(v for k, v in vars(init).items() if k != "_kwargs"))
-                if key in self.reached_draw:
+                known = getattr(_local, "known", False)  # a copy whose recipe's draws this ledger knows
+                key = None if known else _draw_key(kind, tensor.shape, init)
+                if known or key in self.reached_draw:
                     if getattr(_local, "owing", False):
                         self.seeds[id(tensor)] = (tensor, _OWED)  # taken once, at take_owed_draws()
                         self.owed.append(tensor)
@@ -105,11 +106,10 @@ class Ledger:
                 key = None
         if self.owed:
             self.take_owed_draws()  # the initializer below draws: the draws owed come first
-        scratch = np.ndarray(tensor.shape, dtype=_numpy_type(tensor.dtype))
         if kind in one_draw:
             _local.capturing = True
             try:
-                init(scratch)
+                init(_capture_array(tensor.shape, _numpy_type(tensor.dtype)))
             except _SeedTaken:
                 self.seeds[id(tensor)] = (tensor, _local.captured)
                 self.draws += 1
@@ -118,10 +118,29 @@ class Ledger:
                 return
             finally:
                 _local.capturing = False
-        else:
-            init(scratch)
+        scratch = np.ndarray(tensor.shape, dtype=_numpy_type(tensor.dtype))
+        init(scratch)
         self.seeds[id(tensor)] = (tensor, scratch)  # filled without a draw we know: its values
         self.run_in_full += 1
+
+    def knows_draws(self, templates) -> bool:
+        """Whether each lazy tensor made from `templates` ((initializer,
+        shape) pairs) takes its draw at once here: its class never draws, or
+        draws once and an initializer like it reached its draw before."""
+        if self._known.get(id(templates)) is templates:
+            return True
+        no_draw, one_draw = self.classes
+        for init, shape in templates:
+            kind = type(init)
+            if kind in no_draw:
+                continue
+            try:
+                if kind not in one_draw or _draw_key(kind, shape, init) not in self.reached_draw:
+                    return False
+            except TypeError:  # an attribute that cannot be hashed
+                return False
+        self._known[id(templates)] = templates
+        return True
 
     def forget(self) -> None:
         self.seeds.clear()
@@ -166,6 +185,18 @@ class Ledger:
             self.draws += len(owed)
 
 
+def _draw_key(kind, shape, init) -> tuple:
+    """An initializer's key: what it checks before its draw (sigma, fans, gain) depends on these alone."""
+    return (kind, shape, tuple(v for k, v in vars(init).items() if k != "_kwargs"))
+
+
+def _capture_array(shape, numpy_type):
+    """An array of `shape` and type over one element (zero strides): an
+    initializer stopped at its draw reads only its shape and type, and a
+    large one costs nothing to allocate."""
+    return np.ndarray(shape, dtype=numpy_type, buffer=np.empty(1, dtype=numpy_type), strides=(0,) * len(shape))
+
+
 _numpy_types: dict = {}  # mindspore dtype -> numpy type (mindspore builds its table on every call)
 
 
@@ -193,22 +224,33 @@ def accounting(ledger: Ledger):
             _local.ledger = outer
 
 
-@contextlib.contextmanager
-def owing():
+class owing:  # noqa: N801 - a context manager used as the function it was
     """While held, in this thread, a lazy tensor that the ledger knows draws
     once at once owes its draw: code that draws from numpy nowhere else (a
     sibling-clone copy whose trial fill left numpy's state alone) takes the
-    owed draws as one batch when it ends."""
-    ledger = getattr(_local, "ledger", None)
-    if ledger is None or getattr(_local, "owing", False) or not ledger.batching():
-        yield
-        return
-    _local.owing = True
-    try:
-        yield
-    finally:
-        _local.owing = False
-        ledger.take_owed_draws()
+    owed draws as one batch when it ends. With `templates` ((initializer,
+    shape) pairs of every lazy tensor the code makes, copies of them) that
+    Ledger.knows_draws, each owes without its key being looked up."""
+
+    __slots__ = ("templates", "ledger")
+
+    def __init__(self, templates=None):
+        self.templates, self.ledger = templates, None
+
+    def __enter__(self):
+        ledger = getattr(_local, "ledger", None)
+        if ledger is None or getattr(_local, "owing", False) or not ledger.batching():
+            return None
+        known = self.templates is not None and ledger.knows_draws(self.templates)
+        self.ledger = ledger
+        _local.owing, _local.known = True, known
+        return None
+
+    def __exit__(self, *exc_info):
+        ledger, self.ledger = self.ledger, None
+        if ledger is not None:
+            _local.owing = _local.known = False
+            ledger.take_owed_draws()
 
 
 @contextlib.contextmanager

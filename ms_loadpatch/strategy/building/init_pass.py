@@ -52,37 +52,61 @@ def cells_in_apply_order(root):
         if not plain[kind]:
             yield cell, True
             continue
-        stack.append((cell, True))
         children = cell.__dict__.get("_cells")
-        if children:
-            unique, seen = [], set()
-            for child in children.values():
-                if child is not None and child not in seen:
-                    seen.add(child)
-                    unique.append(child)
-            stack += [(child, False) for child in reversed(unique)]
+        if not children:  # a leaf: its call now, where it would come off the stack next
+            yield cell, False
+            continue
+        stack.append((cell, True))
+        unique, seen = [], set()
+        for child in children.values():
+            if child is not None and child not in seen:
+                seen.add(child)
+                unique.append(child)
+        stack += [(child, False) for child in reversed(unique)]
 
 
 def run(
-    root, initialize, is_done=None, mark_done=None, ledger=None, copied_from=None, counts=None, owe_draws=False
+    root,
+    initialize,
+    is_done=None,
+    mark_done=None,
+    ledger=None,
+    recipe_by_id=None,
+    counts=None,
+    owe_draws=False,
+    flag=None,
 ) -> None:
     """`root.apply(f)`'s calls, without its per-cell recursion, where `f` is
     mindone's `_initialize_weights`: `initialize(cell)` then `mark_done(cell)`
-    unless `is_done(cell)` (without them: `initialize(cell)` alone). With a
-    `ledger`, `copied_from(cell)` (the sibling-clone recipe of a copied cell)
-    and the pass's `counts` (filling_on_touch's), calls on cells copied from
-    one recipe are replayed once three real ones agreed; with `owe_draws`
+    unless `is_done(cell)` (without them: `initialize(cell)` alone; `flag`, a
+    cellpasses.PlainFlag: its `is_set` and `set`). With a `ledger`,
+    `recipe_by_id(id(cell))` (the sibling-clone recipe of a copied cell, or
+    None) and the pass's `counts` (filling_on_touch's), calls on cells copied from one
+    recipe are replayed once three real ones agreed; with `owe_draws`
     (is_done and mark_done run no code but the plugin's on a plain cell),
     replays' draws are owed and taken as one batch before anything else runs."""
-    replays = Replays(ledger, counts, owe_draws) if ledger is not None and copied_from is not None else None
+    if flag is not None:
+        is_done, mark_done = flag.is_set, flag.set
+    replays = Replays(ledger, counts, owe_draws) if ledger is not None and recipe_by_id is not None else None
     settle = ledger.take_owed_draws if replays is not None else (lambda: None)
+    # on a plain cell the flag is read and written in its instance dict, and a replayed call needs no more
+    plain_state = flag.plain_state if flag is not None and replays is not None else None
 
     def one(cell):
+        if plain_state is not None:
+            state = plain_state(cell)
+            if state is True:
+                return
+            if state is not None:
+                source = recipe_by_id(id(cell))
+                if source is not None and replays.replayed(cell, source):
+                    state[flag.name] = flag.value
+                    return
+        source = recipe_by_id(id(cell)) if replays is not None else None
         if replays is not None and ledger.owed and not plain_cell(type(cell)):
             settle()  # its flag's lookup may run the class's own code
         if is_done is not None and is_done(cell):
             return
-        source = copied_from(cell) if replays is not None else None
         if source is None:
             settle()
             initialize(cell)

@@ -53,12 +53,11 @@ class Replays:
             self.owe = owe
 
     def call(self, cell, source, initialize) -> None:
+        if self.replayed(cell, source):
+            return
         entry = self.entries.get(id(source))
         if entry is None:
-            entry = self.entries[id(source)] = [None, 0, source]
-        if entry[1] >= self.AGREEING_CALLS and self._replay(cell, entry[0]):
-            self.counts.replayed += 1
-            return
+            entry = self.entries[id(source)] = [None, 0, source, None]
         self.ledger.take_owed_draws()  # before a real call, which may draw
         if entry[1] < 0 or entry[1] >= self.AGREEING_CALLS:
             initialize(cell)
@@ -68,6 +67,18 @@ class Replays:
             entry[1] = -1
         else:
             entry[0], entry[1] = effect, entry[1] + 1
+            if entry[1] == self.AGREEING_CALLS:
+                entry[3] = _compiled(effect)
+
+    def replayed(self, cell, source) -> bool:
+        """The call on `cell` (copied from `source`) replayed, when real calls
+        agreed on its effect and it applies; False: nothing was done."""
+        entry = self.entries.get(id(source))
+        compiled = entry[3] if entry is not None else None
+        if compiled is None or compiled and not self._replay(cell, compiled):
+            return False
+        self.counts.replayed += 1
+        return True
 
     def _recorded(self, cell, initialize):
         """Calls initialize(cell); returns its effect, or None when it did
@@ -164,29 +175,47 @@ class Replays:
                 return False
         return True
 
-    def _replay(self, cell, effect) -> bool:
+    def _replay(self, cell, compiled) -> bool:
         params = cell.__dict__.get("_params") or {}
-        ledger, targets = self.ledger, []
-        for item in effect:
+        ledger = self.ledger
+        writes, targets = ledger.writes, []
+        for item in compiled:
             param = params.get(item[1])
             tensor = param.init_mode if param is not None and param.has_init else None
-            if tensor is None or tensor.init is None or id(tensor) in ledger.writes:
+            if tensor is None or tensor.init is None or id(tensor) in writes:
                 return False
-            if (tensor.shape, tensor.dtype) != (item[4:6] if item[0] is _INIT else item[6:8]):
+            if tensor.shape != item[2] or tensor.dtype != item[3]:
                 return False
-            targets.append((tensor, item))
+            targets.append(tensor)
         owe = self.owe and plain_cell(type(cell)) and ledger.batching()
-        for tensor, item in targets:
+        for tensor, item in zip(targets, compiled):
             if item[0] is _INIT:
-                _, _, kind, state, _, _, drew = item
+                _, _, _, _, kind, state, dicts, drew = item
                 init = object.__new__(kind)
-                init.__dict__.update({k: dict(v) if type(v) is dict else v for k, v in state})
+                init.__dict__.update(state)
+                for key in dicts:  # a dict attribute (an initializer's _kwargs): a copy each
+                    init.__dict__[key] = dict(state[key])
                 ledger.reinitialize(tensor, init, drew, owe)
             else:
-                _, _, via_data, index, kind, args, _, _ = item
+                _, _, _, _, via_data, index, kind, args = item
                 self.counts.deferred += 1
                 deferred_writes.record_again(ledger, tensor, via_data, index, kind, args)
         return True
+
+
+def _compiled(effect) -> tuple:
+    """An agreed effect as _replay applies it: (kind, attr, shape, dtype, ...) per item, an
+    initializer's state as a dict to copy from, with the names of its dict attributes."""
+    compiled = []
+    for item in effect:
+        if item[0] is _INIT:
+            _, attr, kind, state, shape, dtype, drew = item
+            dicts = tuple(key for key, value in state if type(value) is dict)
+            compiled.append((_INIT, attr, shape, dtype, kind, dict(state), dicts, drew))
+        else:
+            _, attr, via_data, index, kind, args, shape, dtype = item
+            compiled.append((_WRITE, attr, shape, dtype, via_data, index, kind, args))
+    return tuple(compiled)
 
 
 # effect items: (_INIT, attr, initializer class, its state, shape, dtype, drew), a new initializer;

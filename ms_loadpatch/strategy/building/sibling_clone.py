@@ -53,7 +53,8 @@ class SiblingClone(Technique):
         self.hooks = InitHooks()
         self.entries: dict = {}
         self.cloned = 0
-        self.sources: dict[int, tuple] = {}  # id(copied cell) -> (the recipe it was filled from, the cell)
+        self.sources: dict[int, tuple] = {}  # id(copied cell) -> the recipe it was filled from
+        self.copies: list = []  # the copied cells, kept alive while their ids key `sources`
         self.builds: dict[type, list[int]] = {}  # class -> [builds, copies] in this window
         self.reasons: dict[type, str] = {}  # class -> the first reason one of its calls got no recipe
         self.count = window.DeferredInstanceCount()
@@ -82,14 +83,15 @@ class SiblingClone(Technique):
         self.reasons.clear()
         return self.hooks.install(self.cell_class, self._hook)
 
-    def copied_from(self, cell):
-        """The recipe `cell` was copied from in the open window (the same
-        object for every copy of one cell of it), or None."""
-        source = self.sources.get(id(cell))
-        return source[0] if source is not None and source[1] is cell else None
+    def copied_from_by_id(self):
+        """A lookup of id(cell) -> the recipe the cell was copied from in the
+        open window (the same object for every copy of one cell of it), or
+        None; good for the length of the window."""
+        return self.sources.get
 
     def uninstall(self):
         self.sources.clear()
+        self.copies.clear()
         self.hooks.restore()
         if window.state.recording:
             window.state.notes[self.name] = self._build_notes()
@@ -100,7 +102,7 @@ class SiblingClone(Technique):
 
     def leftovers(self):
         found = self.hooks.leftovers()
-        if self.entries or self.builds or self.sources:
+        if self.entries or self.builds or self.sources or self.copies:
             found.append("sibling-clone recipes kept")
         if self.count.pending:
             found.append(f"{self.name}: {self.count.pending} cells not counted")
@@ -176,7 +178,7 @@ class SiblingClone(Technique):
             return init(cell, *args, **kwargs)
         if entry is not None and entry[0] == "recipe" and self._configs_unchanged(entry[2]):
             made_before = self.count.pending
-            with draws.owing() if entry[3] else contextlib.nullcontext():
+            with draws.owing(entry[4]) if entry[3] else contextlib.nullcontext():
                 self._fill_root(cell, entry[1])
             self.cloned += 1
             counts[1] += self.count.pending - made_before  # the cells of its subtree
@@ -235,8 +237,10 @@ class SiblingClone(Technique):
         """The entry for a class and its arguments after a second real build:
         a recipe when both builds gave the same recipe and a copy made from
         it equals the second cell, else "never" (built by its own __init__).
-        ("recipe", recipe, snapshot, owe): `owe` when the trial copy drew
-        nothing from numpy, so copies may owe their draws (draws.owing)."""
+        ("recipe", recipe, snapshot, owe, templates): `owe` when the trial
+        copy drew nothing from numpy, so copies may owe their draws
+        (draws.owing), `templates` the (initializer, shape) of each lazy
+        parameter a copy makes."""
         recipe = self._write_recipe(cell, first=first) if first is not None else None
         if recipe is None:
             return ("never", "not copyable", snapshot)
@@ -257,7 +261,7 @@ class SiblingClone(Technique):
                 self.numpy.random.set_state(numpy_state)
         if not same:
             return ("never", "a copy differs from a real build", snapshot)
-        return ("recipe", recipe, snapshot, not draws_elsewhere)
+        return ("recipe", recipe, snapshot, not draws_elsewhere, _parameter_templates(recipe))
 
     def _new_cell(self, cls):
         cell = cls.__new__(cls)
@@ -276,7 +280,8 @@ class SiblingClone(Technique):
     def _fill_cell(self, cell, recipe, made):
         _, slot, shared, fresh, built = recipe
         made[slot] = cell
-        self.sources[id(cell)] = (recipe, cell)
+        self.sources[id(cell)] = recipe
+        self.copies.append(cell)
         state = cell.__dict__
         state.update(shared)  # every key in order; per-instance ones are overwritten in place below
         for key, factory in fresh:
@@ -329,3 +334,18 @@ class SiblingClone(Technique):
                 made[slot] = value
             return value
         raise AssertionError(kind)
+
+
+def _parameter_templates(recipe) -> tuple:
+    """(initializer, shape) of each parameter a copy from `recipe` makes (`_make`'s "param" items)."""
+    found, items = [], [item for _, item in recipe[4]]
+    while items:
+        item = items.pop()
+        kind = item[0]
+        if kind == "param":
+            found.append((item[2], item[3]))
+        elif kind == "cell":
+            items += [inner for _, inner in item[1][4]]
+        elif kind == "container":
+            items += [entry if item[2] in (list, tuple, set) else entry[1] for entry in item[3]]
+    return tuple(found)
