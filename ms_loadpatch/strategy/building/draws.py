@@ -224,7 +224,7 @@ def accounting(ledger: Ledger):
             _local.ledger = outer
 
 
-class owing:  # noqa: N801 - a context manager used as the function it was
+class owing:  # noqa: N801 - a context manager, called as a function is
     """While held, in this thread, a lazy tensor that the ledger knows draws
     once at once owes its draw: code that draws from numpy nowhere else (a
     sibling-clone copy whose trial fill left numpy's state alone) takes the
