@@ -93,23 +93,23 @@ def run(
     plain_state = flag.plain_state if flag is not None and replays is not None else None
 
     def one(cell):
-        if plain_state is not None:
-            state = plain_state(cell)
-            if state is True:
-                return
-            if state is not None:
-                source = recipe_by_id(id(cell))
-                if source is not None and replays.replayed(cell, source):
-                    state[flag.name] = flag.value
-                    return
+        state = plain_state(cell) if plain_state is not None else None  # True, the dict where it is unset, None
+        if state is True:
+            return
         source = recipe_by_id(id(cell)) if replays is not None else None
+        tried = source is not None and state is not None
+        if tried and replays.replayed(cell, source):
+            state[flag.name] = flag.value
+            return
         if replays is not None and ledger.owed and not plain_cell(type(cell)):
             settle()  # its flag's lookup may run the class's own code
-        if is_done is not None and is_done(cell):
+        if state is None and is_done is not None and is_done(cell):
             return
         if source is None:
             settle()
             initialize(cell)
+        elif tried:
+            replays.call_refused(cell, source, initialize)
         else:
             replays.call(cell, source, initialize)
         if mark_done is not None:

@@ -53,8 +53,12 @@ class Replays:
             self.owe = owe
 
     def call(self, cell, source, initialize) -> None:
-        if self.replayed(cell, source):
-            return
+        if not self.replayed(cell, source):
+            self.call_refused(cell, source, initialize)
+
+    def call_refused(self, cell, source, initialize) -> None:
+        """The call on `cell` made for real, `replayed` having refused it: learnt
+        from while fewer than three real calls agreed."""
         entry = self.entries.get(id(source))
         if entry is None:
             entry = self.entries[id(source)] = [None, 0, source, None]
