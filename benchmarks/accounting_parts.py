@@ -15,6 +15,14 @@ and those of the timed calls inside it) and off the passes.
 
     python benchmarks/accounting_parts.py --case moe
     PYTHONPATH=<another checkout> python benchmarks/accounting_parts.py --case moe
+    python benchmarks/accounting_parts.py --case moe --floor
+
+With --floor, each init pass is preceded by the least an exact pass must
+read (`least_pass`: every cell as `Cell.apply` visits it, its init flag
+looked up and, where unset, each lazy parameter's initializer read; nothing
+written), timed the same way: a floor under any exact pass in Python. That
+walk warms what the pass then touches, so the passes of a --floor run are
+not compared with those of a plain one.
 
 The checkpoint is found (generated once) by a child process with this
 tree's helpers; the load itself imports ms_loadpatch as PYTHONPATH gives it,
@@ -102,6 +110,28 @@ def timer_cost(calls=20000) -> tuple[float, float]:
     return max(0.0, min(inside)), max(0.0, min(around))
 
 
+def least_pass(root, flag="_is_hf_initialized") -> tuple[int, int]:
+    """Reads what any exact init pass over `root` reads, and writes nothing:
+    each cell once per parent (as Cell.apply), its flag looked up in its
+    instance dict and, where it is unset, each lazy parameter's initializer.
+    (cells, parameters)."""
+    cells = params = 0
+    stack = [root]
+    while stack:
+        cell = stack.pop()
+        own = cell.__dict__
+        cells += 1
+        for param in () if own.get(flag) else (own.get("_params") or {}).values():
+            tensor = getattr(param, "init_mode", None) if param is not None else None
+            if tensor is not None:
+                tensor.init  # noqa: B018 - the read a pass makes of each initializer
+                params += 1
+        children = own.get("_cells")
+        if children:
+            stack.extend(dict.fromkeys(child for child in children.values() if child is not None))
+    return cells, params
+
+
 def _nested_calls(totals) -> int:
     """The timed calls made so far inside init passes."""
     return sum(spent[2] for key, spent in totals.items() if key == "replays" or key.endswith(" in the init pass"))
@@ -110,6 +140,7 @@ def _nested_calls(totals) -> int:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--case", default="moe")
+    parser.add_argument("--floor", action="store_true", help="time least_pass before each init pass")
     args = parser.parse_args(argv)
     path = checkpoint_path(args.case)
 
@@ -131,7 +162,7 @@ def main(argv=None) -> int:
     spec = bench.LoadSpec.resolve(path)
     cls, _ = import_model_class(spec)
     totals: dict[str, float] = {}
-    passes, in_pass = [], []
+    passes, in_pass, floors = [], [], []
     _timed(
         draws.Ledger, "take", totals, "draws (Ledger.take)", lambda: " in the init pass" if in_pass else " of the build"
     )
@@ -150,6 +181,10 @@ def main(argv=None) -> int:
     run = init_pass.run
 
     def timed_run(*a, **k):
+        if args.floor:
+            cpu = time.thread_time()
+            cells, params = least_pass(a[0] if a else k["root"])
+            floors.append((time.thread_time() - cpu, cells, params))
         start, cpu, calls = time.perf_counter(), time.thread_time(), _nested_calls(totals)
         in_pass.append(True)
         try:
@@ -172,7 +207,8 @@ def main(argv=None) -> int:
         spent[1] -= spent[2] * inside + spent[3] * around
     nested = _nested_calls(totals)
     passes = [(wall - calls * around, cpu - calls * around) for wall, cpu, calls in passes]
-    phase = report.phases.get("init-pass", 0.0) - nested * around
+    # the phase holds the least passes a --floor run adds: taken off (by their CPU time, their wall time alike)
+    phase = report.phases.get("init-pass", 0.0) - nested * around - sum(cpu for cpu, _, _ in floors)
     print(f"{args.case}: ms_loadpatch from {os.path.dirname(ms_loadpatch.__file__)}")
     print(
         f"  load {seconds:.3f} s; init-pass phase {phase:.3f} s "
@@ -198,6 +234,10 @@ def main(argv=None) -> int:
         f"  init pass + the build's draws + probes outside the pass: {wall:.3f} s wall, {wall / seconds:.1%} "
         f"of the load; {cpu:.3f} s CPU, {cpu / seconds:.1%}"
     )
+    if floors:
+        least = sum(cpu for cpu, _, _ in floors)
+        each = ", ".join(f"{cpu * 1e3:.1f} ms CPU over {c} cells, {p} parameters" for cpu, c, p in floors)
+        print(f"  least passes (read only): {each}; {least * 1e3:.1f} ms, {least / seconds:.1%} of the load")
     return 0
 
 

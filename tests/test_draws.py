@@ -629,3 +629,41 @@ def test_owed_draws_come_before_a_draw_taken_at_once():
     assert batched_draws.problem() is None
     (owed, owed_state), (single, single_state) = seeds(True), seeds(False)
     assert owed == single and np.array_equal(owed_state, single_state)
+
+
+class _OneWeight(nn.Cell):
+    def __init__(self, shape=(4, 3), dtype=ms.float32):
+        super().__init__()
+        self.weight = ms.Parameter(initializer(Normal(0.5), shape, dtype), name="weight")
+
+
+@pytest.mark.parametrize("copy", ["agreed", "other-dtype", "other-shape"])
+def test_a_replay_applies_only_where_the_parameter_has_the_agreed_shape_and_dtype(copy):
+    """An agreed effect (a new Normal(0.02) for a (4, 3) float32 weight) is
+    replayed on a copy whose weight has that shape and dtype: its new
+    initializer and one draw, as the call's set_data gives. On a copy whose
+    weight has another dtype or shape, the replay refuses and changes nothing."""
+    shape, dtype = {
+        "agreed": ((4, 3), ms.float32),
+        "other-dtype": ((4, 3), ms.float16),
+        "other-shape": ((3, 4), ms.float32),
+    }[copy]
+    agreed = Normal(0.02)
+    state = [(k, dict(v) if type(v) is dict else v) for k, v in vars(agreed).items()]
+    compiled = replays._compiled([(replays._INIT, "weight", Normal, state, (4, 3), ms.float32, True)])
+    ledger = draws.Ledger()
+    with lazy_parameters(), draws.accounting(ledger):
+        cell = _OneWeight(shape, dtype)
+        tensor, before = cell.weight.init_mode, cell.weight.init_mode.init
+        np.random.seed(11)
+        applied = replays.Replays(ledger, init_pass.PassCounts())._replay(cell, compiled)
+        after = np.random.get_state()[1].copy()
+    expected = np.random.RandomState(11)
+    if copy == "agreed":
+        seed = expected.randint(low=1, high=1 << 63, dtype=np.int64)
+        assert applied and cell.weight.init_mode is tensor
+        assert type(tensor.init) is Normal and vars(tensor.init) == vars(agreed) and tensor.init is not before
+        assert ledger.seeds[id(tensor)][1] == seed
+    else:
+        assert not applied and tensor.init is before and id(tensor) not in ledger.writes
+    assert np.array_equal(after, expected.get_state()[1])

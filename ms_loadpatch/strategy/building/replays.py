@@ -188,7 +188,8 @@ class Replays:
             tensor = param.init_mode if param is not None and param.has_init else None
             if tensor is None or tensor.init is None or id(tensor) in writes:
                 return False
-            if tensor.shape != item[2] or tensor.dtype != item[3]:
+            dtype = tensor.dtype  # one object per dtype: `is` first, their == is a slow pybind call
+            if tensor.shape != item[2] or dtype is not item[3] and dtype != item[3]:
                 return False
             targets.append(tensor)
         owe = self.owe and plain_cell(type(cell)) and ledger.batching()
