@@ -640,9 +640,10 @@ class _OneWeight(nn.Cell):
 @pytest.mark.parametrize("copy", ["agreed", "other-dtype", "other-shape"])
 def test_a_replay_applies_only_where_the_parameter_has_the_agreed_shape_and_dtype(copy):
     """An agreed effect (a new Normal(0.02) for a (4, 3) float32 weight) is
-    replayed on a copy whose weight has that shape and dtype: its new
-    initializer and one draw, as the call's set_data gives. On a copy whose
-    weight has another dtype or shape, the replay refuses and changes nothing."""
+    replayed on a copy whose weight has that shape and dtype: the weight's
+    tensor gets that initializer, and the one draw taken is the next of
+    numpy's. On a copy whose weight has another dtype or shape, the replay
+    refuses and changes nothing, numpy's state included."""
     shape, dtype = {
         "agreed": ((4, 3), ms.float32),
         "other-dtype": ((4, 3), ms.float16),
