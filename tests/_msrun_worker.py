@@ -110,6 +110,8 @@ def main():
     init()
     rank, group_size = get_rank(), get_group_size()
     os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, f"rank{rank}.pid"), "w") as f:  # for a test that kills a rank
+        f.write(str(os.getpid()))
     try:
         plugin_loaded_before = "ms_loadpatch" in sys.modules
         from ms_loadpatch.testing import cpu_kernel_fallbacks
@@ -123,7 +125,7 @@ def main():
 
         from mindone.transformers import AutoModelForCausalLM
 
-        model_dir = args.model.replace("{rank}", str(rank))
+        model_dir = args.model.replace("{rank}", str(rank)).replace("{node}", os.environ.get("MS_LOADPATCH_NODE_ID", ""))
         result = {"rank": rank}
         with cpu_kernel_fallbacks():
             before = process_state()

@@ -8,6 +8,7 @@ clear error and leaves the process as it was."""
 import _thread
 import gc
 import os
+import subprocess
 import threading
 import time
 
@@ -200,3 +201,82 @@ def test_storage_with_a_delay_per_request_gets_the_cold_plan(wide_checkpoint):
         assert read.cold and read.threads == cold_read_plan().threads
         with ms_loadpatch.disabled():
             assert_same_model(mt.Qwen2ForCausalLM.from_pretrained(storage.mountpoint), accelerated)
+
+
+@pytest.fixture(scope="module")
+def blob(tmp_path_factory):
+    """A directory with one file of 4 MB."""
+    directory = tmp_path_factory.mktemp("slow-storage-blob")
+    with open(directory / "blob", "wb") as f:
+        f.write(os.urandom(4 * 1024 * 1024))
+    return str(directory)
+
+
+def _server_processes(pgid):
+    """The live (not zombie) processes of the server's process group."""
+    found = []
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/stat") as f:
+                state, _ppid, group = f.read().rsplit(")", 1)[1].split()[:3]
+        except (OSError, ValueError):
+            continue
+        if int(group) == pgid and state != "Z":
+            found.append(int(name))
+    return found
+
+
+def test_several_mounts_serve_the_same_files_and_count_per_mount(blob):
+    path = os.path.join(blob, "blob")
+    size = os.path.getsize(path)
+    with open(path, "rb") as f:
+        expected = f.read()
+    with SlowStorage(blob, FAST, mounts=2) as storage:
+        assert len(storage.mountpoints) == 2 and storage.mountpoint == storage.mountpoints[0]
+        assert storage.path("blob") == storage.path_on(0, "blob") != storage.path_on(1, "blob")
+        assert all(os.path.ismount(m) for m in storage.mountpoints)
+        for index in range(2):  # each mount has its own page cache: each serves the file
+            with open(storage.path_on(index, "blob"), "rb") as f:
+                assert f.read() == expected
+        assert storage.served_per_mount() == [size, size]
+        assert storage.served()[0] == 2 * size
+
+
+def test_several_mounts_share_the_aggregate_bandwidth(blob):
+    size = os.path.getsize(os.path.join(blob, "blob"))
+    cap = 8.0  # MB/s over both mounts: 2 * 4 MB take about 1 s (0.5 s if each mount had its own)
+    with SlowStorage(blob, StorageSettings(latency_ms=1.0, total_mb_s=cap), mounts=2) as storage:
+
+        def read(index):
+            with open(storage.path_on(index, "blob"), "rb") as f:
+                f.read()
+
+        readers = [threading.Thread(target=read, args=(index,)) for index in range(2)]
+        started = time.monotonic()
+        for reader in readers:
+            reader.start()
+        for reader in readers:
+            reader.join()
+        elapsed = time.monotonic() - started
+        assert storage.served_per_mount() == [size, size]
+    assert elapsed >= 0.8 * 2 * size / (cap * 1e6), elapsed
+
+
+def test_stopping_leaves_no_mount_and_no_server_process(blob):
+    with SlowStorage(blob, FAST, mounts=3) as storage:
+        server = storage._process.pid
+        assert len(_server_processes(server)) >= 3  # one per mount
+        mountpoints = storage.mountpoints
+    assert not any(os.path.ismount(m) for m in mountpoints)
+    assert _server_processes(server) == []
+
+
+def test_unmounting_one_mount_ends_them_all(blob):
+    with SlowStorage(blob, FAST, mounts=2) as storage:
+        server = storage._process
+        subprocess.run(["fusermount", "-u", storage.path_on(1)], check=True)
+        assert server.wait(timeout=10) == 0
+        assert not any(os.path.ismount(m) for m in storage.mountpoints)
+        assert _server_processes(server.pid) == []

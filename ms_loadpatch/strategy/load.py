@@ -16,7 +16,7 @@ import time
 
 import mindspore as ms
 
-from . import reports
+from . import cooperative, reports
 from .assign import assign, assign_in_final_dtype, check_and_pair
 from .building import draws, init_pass
 from .building.construction import initialize_unloaded, lazy_construction
@@ -99,7 +99,10 @@ class Load:
         """Read `files` ahead, in background threads closed with the load, casting what `cast_plan` casts."""
         self.cast_plan = cast_plan
         self.listed_tensors = files.listed_tensors
-        self.prefetcher = start_prefetch(files, self.report, self.cleanup, cast_plan, progress_bars)
+        # in a multi-node job, read together with the other nodes where they agree; else ahead, alone
+        self.prefetcher = cooperative.start(files, self.report, self.cleanup) or start_prefetch(
+            files, self.report, self.cleanup, cast_plan, progress_bars
+        )
 
     def checkpoint_tensors(self) -> int | None:
         """The checkpoint's tensor count as far as known before the build: its

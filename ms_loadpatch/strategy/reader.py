@@ -58,13 +58,18 @@ def read_arrays(
             )
             if got != data_len:
                 raise CheckpointError(path, f"read {got} of {data_len} data bytes: the file changed or is truncated")
+    return arrays_in(path, header, buffer), header.metadata
+
+
+def arrays_in(path, header, buffer) -> dict[str, np.ndarray]:
+    """Every tensor `header` lists as a view of `buffer`, the file's data section, in file order."""
     arrays = {}
     for name, (dtype, shape, begin, end) in header.entries.items():
         view = buffer[begin:end]
         if begin % dtype.itemsize:  # unaligned: a view would be refused or copied later anyway
             view = view.copy()
         arrays[name] = _shaped(path, name, view, dtype, shape)
-    return arrays, header.metadata
+    return arrays
 
 
 def _read_direct(path, fd: int, data_start: int, data_len: int, plan: ReadPlan, stop):

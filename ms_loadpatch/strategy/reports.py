@@ -41,6 +41,12 @@ class LoadReport:
         self.read_threads = 1  # threads reading one large file, this rank's share of the node
         self.local_ranks = 1  # ranks of a distributed job on this node (strategy/ranks.py)
         self.rank = None
+        # a multi-node job (strategy/cooperative.py): read with the other nodes or alone, and why;
+        # this rank's bytes read from storage and received over the collective; its staging bound
+        self.cooperative = None
+        self.bytes_from_storage = None
+        self.bytes_received = None
+        self.staging_bytes = None
         self.technique = ""
         self.fast_construction_from = None  # the cell where fast construction engaged (None: built plainly)
         self.cells_copied = 0  # cells sibling-clone copied from a recipe
@@ -134,10 +140,18 @@ class LoadReport:
         return text + (", gc paused" if self.gc_paused else "")
 
     def _rank_text(self) -> str:
-        if self.local_ranks == 1 and self.rank is None:
+        if self.local_ranks == 1 and self.rank is None and self.cooperative is None:
             return ""
         rank = f"rank {self.rank}, " if self.rank is not None else ""
-        return f" ({rank}{self.local_ranks} rank(s) on this node)"
+        job = ""
+        if self.cooperative is not None:
+            job = f"; read {self.cooperative}"
+            if self.bytes_received is not None:
+                job += (
+                    f": {self.bytes_from_storage / 1e6:.1f} MB from storage, {self.bytes_received / 1e6:.1f} MB "
+                    f"received, staging up to {self.staging_bytes / 1e6:.0f} MB"
+                )
+        return f" ({rank}{self.local_ranks} rank(s) on this node{job})"
 
 
 def cast_detail(while_reading: int, read_again: int) -> str:

@@ -1,0 +1,480 @@
+"""A checkpoint read once per job: the nodes of a multi-node job split the
+reading, and each chunk one node read reaches every rank over the job's
+collective (strategy/job.py), so the shared storage serves each byte once.
+
+The plan is computed alike on every rank from the headers: each file's data
+section in chunks of the probed message size, handed to the nodes in turn
+so that each reads about 1/N of the bytes. On each node its lowest rank
+reads; every other rank, on its node or another, receives. Per chunk every
+rank first says, in one small AllReduce, whether it can go on (the reader
+has the chunk, nobody abandoned the load), then the reader broadcasts it:
+all ranks stop at the same chunk, so none waits for bytes that will never
+come. A last AllReduce closes the schedule.
+
+Staging per rank is the message being sent or received (two chunks at
+most); the files' buffers are the read's own, at most AHEAD_FILES not yet
+taken by the load.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import os
+import struct
+import threading
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..activation import env_int
+from . import job, page_cache
+from .ranks import node_share
+from .reader import arrays_in
+from .safetensors_header import MAX_HEADER_BYTES, CheckpointError, checkpoint_os_error, parse_header
+from .threaded_read import (
+    COLD_READ_THREADS,
+    COLD_READ_THREADS_ENV_VAR,
+    ReadPlan,
+    ReadStopped,
+    data_buffer,
+    first_read_rate,
+    join_or_leave,
+    read_into,
+    read_threads,
+)
+
+AHEAD_FILES = 2  # files received and not yet taken by the load
+AHEAD_CHUNKS = 4  # chunks a reading rank reads before they are sent
+_SPLIT_FROM = 1 << 20
+# each rank's state before a chunk
+_GOING_ON, _READ_FAILED, _ABANDONED = 0, 1, 2
+# one cooperative schedule at a time per process: collectives pair by order
+_SESSION = threading.Lock()
+_loads_reading_with_job: set[int] = set()  # threads whose load reads with the job (until it ends)
+
+
+@dataclass(frozen=True)
+class FileLayout:
+    path: str
+    header: object  # safetensors_header.SafetensorsHeader
+    size: int
+    cached: float | None  # share in this node's page cache when the load began
+
+    @property
+    def data_len(self) -> int:
+        return max((end for _, _, _, end in self.header.entries.values()), default=0)
+
+
+@dataclass(frozen=True)
+class Chunk:
+    file: int  # index into the layouts
+    begin: int  # bytes of the file's data section
+    end: int
+    node: int  # the node that reads it
+
+
+def read_layouts(files) -> tuple[list[FileLayout], str]:
+    """Each file's checked header, and a digest of the files' names, sizes, modification times and headers."""
+    digest = hashlib.sha256()
+    layouts = []
+    for path in files:
+        path = os.fspath(path)
+        try:
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                _no_read_ahead(fd)
+                stat = os.fstat(fd)
+                size = stat.st_size
+                head = os.pread(fd, 8, 0)
+                if len(head) == 8:
+                    head += os.pread(fd, min(struct.unpack("<Q", head)[0], MAX_HEADER_BYTES), 8)
+            finally:
+                os.close(fd)
+        except OSError as exc:
+            raise checkpoint_os_error(path, exc) from exc
+        header = parse_header(path, size, head)
+        # the modification time too: two copies with equal headers may hold other values
+        digest.update(f"{os.path.basename(path)}\0{size}\0{stat.st_mtime_ns}\0{len(head)}\0".encode() + head)
+        layouts.append(FileLayout(path, header, size, _cached(path)))
+    return layouts, digest.hexdigest()
+
+
+def _no_read_ahead(fd: int) -> None:
+    """Reads of `fd` fetch what they ask for: the kernel's read-ahead past a
+    header or a chunk would pull another node's bytes from the storage."""
+    if hasattr(os, "posix_fadvise"):
+        with contextlib.suppress(OSError):
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
+
+
+def _cached(path) -> float | None:
+    try:
+        return page_cache.resident_fraction(path)
+    except OSError:
+        return None
+
+
+def plan_chunks(layouts, nodes: int, chunk: int) -> list[Chunk]:
+    """The chunks in the order they are sent, each given to the node that has read the fewest bytes so far."""
+    chunks, assigned = [], [0] * nodes
+    for index, layout in enumerate(layouts):
+        for begin in range(0, layout.data_len, chunk):
+            end = min(begin + chunk, layout.data_len)
+            node = min(range(nodes), key=lambda n: (assigned[n], n))
+            assigned[node] += end - begin
+            chunks.append(Chunk(index, begin, end, node))
+    return chunks
+
+
+def _storage_rate(layout: FileLayout) -> int:
+    """MB/s of this node's first read of `layout` (0: in the page cache; -1: not timed)."""
+    if not page_cache.is_cold(layout.cached):
+        return 0 if layout.cached is not None else -1
+    rate = first_read_rate(layout.path)
+    return -1 if rate is None else max(1, int(rate / 1e6))
+
+
+def take_part_without_loading(state: int = job.NOT_ACCELERATED) -> None:
+    """Enter the load's agreement saying this rank will not cooperate (its
+    load falls back), so the job's other ranks do not wait for it."""
+    if job.job_size() is None:
+        return
+    with _SESSION, contextlib.suppress(Exception):
+        job.agree(job.Collectives(), job.Statement(state))
+
+
+def start(files, report, cleanup) -> CooperativeRead | None:
+    """In a multi-node job (job.job_size()): agree with every rank on `files`
+    and, where the job cooperates, start reading them together; None where
+    this rank reads alone (the report says why)."""
+    if job.job_size() is None:
+        return None
+    if threading.get_ident() in _loads_reading_with_job:  # every rank nests alike: none enters a collective
+        report.cooperative = "alone: nested in a load that reads with the job"
+        return None
+    _SESSION.acquire()
+    try:
+        collectives = job.Collectives()
+        share = node_share()
+        report.local_ranks, report.rank = share.local_ranks, collectives.rank
+        layouts, statement = None, job.Statement(job.NOTHING, probed=job.probed())
+        if files:
+            try:
+                layouts, digest = read_layouts(files)
+            except Exception:  # noqa: BLE001 - this rank's own read raises the error naming the file
+                statement.state = job.UNREADABLE
+            else:
+                rate = _storage_rate(layouts[0]) if job.mode() == job.AUTO else -1
+                statement = job.Statement(job.READY, digest, rate, job.probed())
+        try:
+            agreement = job.settle(collectives, job.agree(collectives, statement))
+        except Exception as exc:  # noqa: BLE001 - the collective failed: read alone, as without a job
+            report.cooperative = f"alone: the agreement over the job's collective failed ({_first_line(exc)})"
+            _SESSION.release()
+            return None
+        if not agreement.cooperate:
+            report.cooperative = f"alone: {agreement.reason}"
+            _SESSION.release()
+            return None
+        chunk = min(job.chunk_bytes(), job.collective_probe(collectives, agreement.readers).largest)
+        read = CooperativeRead(layouts, plan_chunks(layouts, agreement.nodes, chunk), agreement, collectives, report)
+        report.cooperative = f"with the job: {agreement.reason}"
+        report.staging_bytes = 2 * chunk
+    except BaseException:
+        _SESSION.release()
+        raise
+    cleanup.push(read.exit)
+    _loads_reading_with_job.add(threading.get_ident())
+    read.start()  # the session lock is released when its schedule ends
+    return read
+
+
+def _first_line(exc) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
+
+
+class _File:
+    def __init__(self):
+        self.buffer = None
+        self.done = threading.Event()
+        self.started = self.ended = 0.0
+        self.taken = False
+
+
+class CooperativeRead:
+    """The files of one load read with the job's other ranks; `take(path)`
+    as Prefetcher's. exit(...) (the load's cleanup) lets the schedule run to
+    its end without keeping what arrives after a load that ended well, or
+    tells every rank at the next chunk that this one abandoned it."""
+
+    progress = None
+
+    def __init__(self, layouts, chunks, agreement, collectives, report):
+        self.layouts, self.chunks, self.agreement = layouts, chunks, agreement
+        self.collectives = collectives
+        self.report = report
+        self.rank = collectives.rank
+        self.node = agreement.node_of_rank[self.rank]
+        self.reads = agreement.readers[self.node] == self.rank
+        self._index = {os.path.normpath(layout.path): i for i, layout in enumerate(layouts)}
+        self._files = [_File() for _ in layouts]
+        self._cond = threading.Condition()
+        self._held = 0  # files received and not taken
+        self._wanted = -1  # the last file the load waits for
+        self._draining = self._abandoned = False
+        self._error: BaseException | None = None
+        self._read = {}  # chunk index -> None (read) or the exception
+        self._ahead = threading.Semaphore(AHEAD_CHUNKS)
+        self._stop = threading.Event()
+        self._threads = []
+        self.sent = self.received = self.read_bytes = 0
+        self._load_thread = threading.get_ident()
+        self._root = None  # the rank sending the chunk being exchanged (None: all ranks' states)
+
+    # -- the load's side
+
+    def start(self) -> None:
+        transfer = threading.Thread(target=self._transfer, name="ms_loadpatch-cooperative", daemon=True)
+        self._threads.append(transfer)
+        if self.reads:
+            self._threads.append(threading.Thread(target=self._read_owned, name="ms_loadpatch-read-own", daemon=True))
+        for thread in self._threads:
+            thread.start()
+
+    def predicted(self, path) -> bool:
+        return os.path.normpath(os.fspath(path)) in self._index
+
+    def take(self, path, reads: list | None = None):
+        """(arrays, metadata, {}) of `path` once it has arrived, None for a
+        file not in the plan; the job's error where the schedule stopped."""
+        index = self._index.get(os.path.normpath(os.fspath(path)))
+        if index is None or self._files[index].taken:
+            return None
+        file = self._files[index]
+        with self._cond:
+            self._wanted = max(self._wanted, index)
+            self._cond.notify_all()
+        while not file.done.wait(0.05):  # short waits: an interrupt is seen
+            if not self._threads[0].is_alive():
+                break
+        if not file.done.is_set():
+            raise self._error or RuntimeError(f"ms_loadpatch: the cooperative read ended before {path} arrived")
+        layout = self.layouts[index]
+        arrays = arrays_in(layout.path, layout.header, file.buffer)
+        file.buffer, file.taken = None, True
+        with self._cond:
+            self._held -= 1
+            self._cond.notify_all()
+        if reads is not None:
+            from .prefetch import FileRead
+
+            reads.append(FileRead(layout.path, layout.data_len, file.started, file.ended, layout.cached, 1))
+        return arrays, layout.header.metadata, {}
+
+    def exit(self, exc_type, exc, tb) -> bool:
+        """The load ended (`exc`: with an error): what remains of the schedule runs out without keeping data, or,
+        after an error, every rank is told at the next chunk; the threads joined."""
+        with self._cond:
+            if exc is not None:
+                self._abandoned = True
+            self._draining = True
+            self._cond.notify_all()
+        self._threads[0].join()
+        _loads_reading_with_job.discard(self._load_thread)
+        self._stop.set()
+        join_or_leave(self._threads[1:], self._stop, "the cooperative read")
+        self.report.bytes_from_storage, self.report.bytes_received = self.read_bytes, self.received
+        return False
+
+    # -- the schedule
+
+    def _buffer(self, index: int):
+        with self._cond:
+            file = self._files[index]
+            if file.buffer is None:
+                layout = self.layouts[index]
+                file.buffer = data_buffer(layout.path, layout.data_len)
+            return file.buffer
+
+    def _wait_for_slot(self, index: int) -> bool:
+        """Until `index` may be received (AHEAD_FILES held at most, unless the load waits for it);
+        False when the load has ended and nothing received is kept."""
+        with self._cond:
+            while self._held >= AHEAD_FILES and self._wanted < index and not self._draining:
+                self._cond.wait()
+            if self._draining:
+                return False
+            self._held += 1
+            return True
+
+    def _transfer(self) -> None:
+        keep = {}
+        try:
+            for index, layout in enumerate(self.layouts):
+                if layout.data_len == 0:
+                    self._files[index].buffer = np.empty(0, dtype=np.uint8)
+                    self._files[index].done.set()
+            for number, chunk in enumerate(self.chunks):
+                layout, file = self.layouts[chunk.file], self._files[chunk.file]
+                if chunk.begin == 0:
+                    keep[chunk.file] = self._wait_for_slot(chunk.file)
+                    file.started = time.perf_counter()
+                root = self._root = self.agreement.readers[chunk.node]
+                if not self._go_on(number, chunk, root):
+                    return
+                self._send_or_receive(chunk, root, keep[chunk.file] or root == self.rank)
+                if root == self.rank:
+                    self._ahead.release()
+                if chunk.end == layout.data_len:
+                    file.ended = time.perf_counter()
+                    if not keep[chunk.file]:
+                        file.buffer = None
+                    file.done.set()
+            with self._cond:
+                last = _ABANDONED if self._abandoned else _GOING_ON
+            self._root = None
+            states = self.collectives.states(last)
+            if states.any():
+                self._fail_from(states, None, None)
+        except Exception as exc:  # noqa: BLE001 - the collective failed: the load raises it
+            root = self._root
+            peers = [root] if root is not None and root != self.rank else self._others()
+            self._error = RuntimeError(
+                f"ms_loadpatch: the job's collective failed on rank {self.rank} while it exchanged the checkpoint "
+                f"with rank(s) {', '.join(map(str, peers))} ({_first_line(exc)}): a rank may have died or left "
+                "the load"
+            )
+        finally:
+            self._stop.set()
+            for _ in range(AHEAD_CHUNKS):
+                self._ahead.release()
+            _SESSION.release()
+
+    def _others(self) -> list[int]:
+        return [rank for rank in range(self.collectives.size) if rank != self.rank]
+
+    def _go_on(self, number: int, chunk: Chunk, root: int) -> bool:
+        """Every rank's state before `chunk` (one AllReduce); False, with the error set, where any stops."""
+        with self._cond:
+            mine = _ABANDONED if self._abandoned else _GOING_ON
+        if mine == _GOING_ON and root == self.rank:
+            with self._cond:
+                while number not in self._read:  # being read by this rank's reader
+                    self._cond.wait()
+                if self._read.pop(number) is not None:
+                    mine = _READ_FAILED
+        states = self.collectives.states(mine)
+        if not states.any():
+            return True
+        self._fail_from(states, chunk, root)
+        return False
+
+    def _fail_from(self, states, chunk: Chunk | None, root) -> None:
+        failed = [rank for rank, state in enumerate(states) if state == _READ_FAILED]
+        if failed and failed[0] == self.rank:
+            return  # the reader's own error, set by the reader
+        layout = self.layouts[chunk.file] if chunk is not None else None
+        if failed:
+            self._error = CheckpointError(
+                layout.path,
+                f"rank {failed[0]} could not read bytes {chunk.begin}-{chunk.end} of its data for the job "
+                "(that rank's error says why)",
+            )
+        else:
+            gone = [rank for rank, state in enumerate(states) if state == _ABANDONED]
+            self._error = RuntimeError(
+                f"ms_loadpatch: rank(s) {', '.join(map(str, gone))} of the job abandoned the load "
+                "(an error or an interrupt there); their logs say why"
+            )
+
+    def _send_or_receive(self, chunk: Chunk, root: int, keep: bool) -> None:
+        length = chunk.end - chunk.begin
+        words = -(-length // 4)
+        if root == self.rank:
+            data = self._buffer(chunk.file)[chunk.begin : chunk.end]
+            if length % 4:
+                padded = np.zeros(words * 4, dtype=np.uint8)
+                padded[:length] = data
+                data = padded
+            self.collectives.broadcast(data.view(np.int32), root)
+            self.sent += length
+            return
+        got = self.collectives.broadcast(np.empty(words, dtype=np.int32), root)
+        self.received += length
+        if keep:
+            self._buffer(chunk.file)[chunk.begin : chunk.end] = got.view(np.uint8)[:length]
+
+    def _read_owned(self) -> None:
+        """This node's chunks from storage, in the order they are sent, at most AHEAD_CHUNKS ahead."""
+        fds = {}
+        try:
+            for number, chunk in enumerate(self.chunks):
+                if chunk.node != self.node:
+                    continue
+                self._ahead.acquire()
+                if self._stop.is_set():
+                    return
+                try:
+                    self._read_chunk(chunk, fds)
+                    outcome = None
+                except BaseException as exc:  # noqa: BLE001 - raised by the load, told to the job
+                    self._error = outcome = exc
+                with self._cond:
+                    self._read[number] = outcome
+                    self._cond.notify_all()
+                if outcome is not None:
+                    return
+        finally:
+            for fd in fds.values():
+                if page_cache.policy() == page_cache.DROP and hasattr(os, "posix_fadvise"):
+                    with contextlib.suppress(OSError):
+                        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+                os.close(fd)
+
+    def _read_chunk(self, chunk: Chunk, fds: dict) -> None:
+        layout = self.layouts[chunk.file]
+        try:
+            fd = fds.get(chunk.file)
+            if fd is None:
+                fd = fds[chunk.file] = os.open(layout.path, os.O_RDONLY)
+                _no_read_ahead(fd)
+                if os.fstat(fd).st_size != layout.size:
+                    raise CheckpointError(layout.path, "the file changed since the job agreed on it")
+        except CheckpointError:
+            raise
+        except OSError as exc:
+            raise checkpoint_os_error(layout.path, exc) from exc
+        view = self._buffer(chunk.file)[chunk.begin : chunk.end]
+        threads = (
+            (env_int(COLD_READ_THREADS_ENV_VAR) or COLD_READ_THREADS) if page_cache.is_cold(layout.cached) else None
+        )
+        plan = ReadPlan(threads or read_threads(), _SPLIT_FROM, cold=threads is not None)
+        try:
+            got = read_into(
+                fd, view, layout.header.data_start + chunk.begin, plan, self._stop, f"the read of {layout.path}"
+            )
+        except ReadStopped:
+            raise
+        except CheckpointError:
+            raise
+        except OSError as exc:
+            raise checkpoint_os_error(layout.path, exc) from exc
+        if got != len(view):
+            raise CheckpointError(
+                layout.path, f"read {got} of {len(view)} bytes at {chunk.begin}: the file changed or is truncated"
+            )
+        self.read_bytes += got
+
+
+__all__ = [
+    "CooperativeRead",
+    "Chunk",
+    "FileLayout",
+    "plan_chunks",
+    "read_layouts",
+    "start",
+    "take_part_without_loading",
+]
