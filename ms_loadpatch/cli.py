@@ -96,6 +96,7 @@ def _print_status(report: dict) -> None:
         f"{activation['env_value']!r}; .pth hook {hook})"
     )
     _print_lazy_import(report["lazy_import"])
+    _print_multi_node(report.get("multi_node"))
     print("\nversions:")
     for name, version in report["versions"].items():
         tested = ", ".join(report["tested"][name])
@@ -141,6 +142,18 @@ def _print_status(report: dict) -> None:
         )
         for name, reason in build["not_copied"].items():
             print(f"  built plainly: {name}: {reason}")
+
+
+def _print_multi_node(multi_node: dict | None) -> None:
+    if multi_node is None:
+        return
+    ranks = multi_node["job_ranks"]
+    job = f"in a job of {ranks} ranks (node {multi_node['node']!r})" if ranks else "not in a multi-rank job"
+    print(f"multi-node reading ({multi_node['env_var']}): {multi_node['mode']}, {job}")
+    probe = multi_node["collective_probe"]
+    if probe is not None:
+        largest = f"messages up to {probe['largest_bytes'] >> 20} MB at {probe['bytes_per_s'] / 1e6:.0f} MB/s"
+        print(f"  the job's collective: {largest}" + (f" ({probe['problem']})" if probe["problem"] else ""))
 
 
 def _print_lazy_import(lazy: dict) -> None:

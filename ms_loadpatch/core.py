@@ -170,6 +170,7 @@ class _Patcher:
             "last_build": techniques.last_build(),
             "targets": targets,
             "lazy_import": lazy_import.status(),
+            "multi_node": _multi_node_status(),
         }
 
     # -- machinery
@@ -300,6 +301,15 @@ def accelerated_load():
     """Context manager for a glue entry point: yields whether this load may
     run accelerated; disable() in another thread waits until it ends."""
     return _PATCHER.accelerated_load()
+
+
+def _multi_node_status() -> dict | None:
+    """MS_LOADPATCH_COOPERATIVE and the job's collective probe (strategy/job.py), once mindspore is imported."""
+    if "mindspore" not in sys.modules:
+        return None
+    from .strategy import job
+
+    return job.status()
 
 
 def status() -> dict:

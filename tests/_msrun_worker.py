@@ -97,6 +97,8 @@ def main():
     parser.add_argument("--import", dest="import_plugin", action="store_true", help="import ms_loadpatch here")
     parser.add_argument("--zero", type=int, nargs="*", default=[])
     parser.add_argument("--steps", type=int, default=2)
+    parser.add_argument("--seed", type=int, default=None, help="ms.set_seed before the load; its random state after")
+    parser.add_argument("--dtype", default=None, help="the load's dtype (a mindspore dtype's name)")
     args = parser.parse_args()
 
     if args.import_plugin:
@@ -121,21 +123,27 @@ def main():
 
             ms_loadpatch.disable()  # imported for the CPU stand-ins only: this job loads unpatched
         import ms_loadpatch
-        from _process_state import process_state  # this file's folder is on sys.path
+        from _process_state import process_state, random_state_digest  # this file's folder is on sys.path
 
         from mindone.transformers import AutoModelForCausalLM
 
-        model_dir = args.model.replace("{rank}", str(rank)).replace("{node}", os.environ.get("MS_LOADPATCH_NODE_ID", ""))
+        model_dir = args.model.replace("{rank}", str(rank)).replace(
+            "{node}", os.environ.get("MS_LOADPATCH_NODE_ID", "")
+        )
         result = {"rank": rank}
         with cpu_kernel_fallbacks():
+            kwargs = {"dtype": getattr(ms, args.dtype)} if args.dtype else {}
+            if args.seed is not None:
+                ms.set_seed(args.seed)
             before = process_state()
             try:
-                model = AutoModelForCausalLM.from_pretrained(model_dir)
+                model = AutoModelForCausalLM.from_pretrained(model_dir, **kwargs)
             except Exception as exc:
                 _write_failure(args.out, rank, exc, before)
                 raise
             report = ms_loadpatch.last_report() if ms_loadpatch.is_enabled() else None
             result["enabled"] = ms_loadpatch.is_enabled()
+            result["random_state"] = random_state_digest()
             result["report"] = report.as_dict() if report else None
             result["threads_after_load"] = [
                 t.name for t in threading.enumerate() if t.name.startswith("ms_loadpatch") and t.is_alive()

@@ -102,3 +102,16 @@ def raised(call):
     except Exception as exc:  # noqa: BLE001 - the exception is what is being tested
         return exc
     pytest.fail(f"no exception: returned {type(result).__name__}")
+
+
+def random_state_digest() -> str:
+    """One string for numpy's, Python's and mindspore's default generator's states, to compare across processes."""
+    import hashlib
+
+    from ms_loadpatch.testing import global_random_state
+
+    numpy_state, python_state, generator = global_random_state()
+    digest = hashlib.sha256(numpy_state[1].tobytes() + repr(numpy_state[2:]).encode() + repr(python_state).encode())
+    if generator is not None:
+        digest.update(generator.tobytes())
+    return digest.hexdigest()

@@ -14,25 +14,26 @@ serves). Every job ends by itself or is killed at JOB_SECONDS and fails.
 
 import json
 import os
-import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
+from pathlib import Path
 
-import numpy as np
 import pytest
 
 from ms_loadpatch.strategy.cooperative import read_layouts
 from ms_loadpatch.tools import slow_storage
+from ms_loadpatch.tools.nodes import NodesJob
 
-from test_multirank import _arrays, _assert_same_arrays, _free_port, _msrun, _worker_logs
+from test_multirank import _arrays, _assert_same_arrays
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 WORKER = os.path.join(HERE, "_msrun_worker.py")
 JOB_SECONDS = 240
 CHUNK_MB = 4
+SEED = 7
+COOPERATE = {"MS_LOADPATCH_COOPERATIVE": "on"}
 # The checkpoint: two shards of about 17 MB (fp32)
 _CONFIG = dict(
     vocab_size=16384,
@@ -65,22 +66,35 @@ with cpu_kernel_fallbacks():
 """
 
 _UNPATCHED = """
-import sys, numpy as np
+import json, sys, numpy as np, mindspore as ms
+sys.path.insert(0, sys.argv[4])
 import ms_loadpatch; ms_loadpatch.disable()
 from ms_loadpatch.testing import cpu_kernel_fallbacks
 from mindone.transformers import AutoModelForCausalLM
+from _process_state import random_state_digest
+kwargs = {"dtype": getattr(ms, sys.argv[3])} if sys.argv[3] != "-" else {}
 with cpu_kernel_fallbacks():
-    model = AutoModelForCausalLM.from_pretrained(sys.argv[1])
+    ms.set_seed(int(sys.argv[5]))
+    model = AutoModelForCausalLM.from_pretrained(sys.argv[1], **kwargs)
+    state = random_state_digest()
 np.savez(sys.argv[2], **{name: p.float().asnumpy() for name, p in model.parameters_and_names()})
+with open(sys.argv[2][:-4] + ".json", "w") as f:
+    json.dump(state, f)
 """
+
+
+def _unpatched(model, dtype=None):
+    """The unpatched load of `model` (as `dtype`) after ms.set_seed(SEED): parameters in an .npz, the random
+    state after it in a .json beside."""
+    reference = model.parent / f"{model.name}-unpatched-{dtype or 'stored'}.npz"
+    _python(_UNPATCHED, model, reference, dtype or "-", HERE, SEED)
+    return reference
 
 
 def _checkpoint(directory, seed):
     _python(_SAVE.format(config=_CONFIG), directory, seed)
     assert len(list(directory.glob("*.safetensors"))) == 2
-    reference = directory.parent / f"{directory.name}-unpatched.npz"
-    _python(_UNPATCHED, directory, reference)
-    return directory, reference
+    return directory, _unpatched(directory)
 
 
 @pytest.fixture(scope="module")
@@ -92,113 +106,47 @@ def _file_bytes(directory) -> int:
     return sum(path.stat().st_size for path in directory.glob("*.safetensors"))
 
 
-def run_nodes(directory, nodes, ranks_per_node, model, env_extra=None, node_env=None, while_running=None):
-    """One job of `nodes` msrun launches of `ranks_per_node` workers each, loading `model` ({node} replaced by
-    node<i>); returns (exit codes, per-rank results, per-rank failures, seconds)."""
-    out, port = directory / "out", _free_port()
+def run_nodes(directory, nodes, ranks_per_node, model, env_extra, node_env=None, while_running=None, args=()):
+    """One job of `nodes` launches of `ranks_per_node` workers loading `model` ({node} replaced by node<i>,
+    ms.set_seed(SEED) first); returns (the NodesJob, per-rank results, per-rank failures)."""
+    out = directory / "out"
     env = {k: v for k, v in os.environ.items() if k not in ("MS_LOADPATCH", "MS_LOADPATCH_REPORT")}
-    env["PATH"] = os.path.dirname(sys.executable) + os.pathsep + env.get("PATH", "")
     env["MS_LOADPATCH_COOPERATIVE_CHUNK_MB"] = str(CHUNK_MB)
     env.update(env_extra or {})
-    procs = []
-    started = time.monotonic()
-    for node in range(nodes):
-        node_env_i = {**env, "MS_LOADPATCH_NODE_ID": f"node{node}", **((node_env or {}).get(node, {}))}
-        command = [
-            *_msrun(),
-            f"--worker_num={nodes * ranks_per_node}",
-            f"--local_worker_num={ranks_per_node}",
-            f"--node_rank={node}",
-            "--master_addr=127.0.0.1",
-            f"--master_port={port}",
-            "--join=True",
-            "--cluster_time_out=120",
-            f"--log_dir={directory / f'logs{node}'}",
-            WORKER,
-            "--out",
-            str(out),
-            "--model",
-            str(model),
-            "--import",
-        ]
-        log = open(directory / f"msrun{node}.out", "w")
-        procs.append(
-            subprocess.Popen(
-                command, env=node_env_i, cwd=directory, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
-            )
-        )
-        log.close()
-        if node == 0:
-            _wait_for_scheduler(port, procs[0])
+    worker_args = ["--out", out, "--model", model, "--import", "--seed", SEED, *args]
+    job = NodesJob(directory, WORKER, worker_args, nodes, ranks_per_node, env, node_env)
     try:
         if while_running is not None:
             while_running(out)
-        deadline = started + JOB_SECONDS
-        for proc in procs:
-            proc.wait(timeout=max(1, deadline - time.monotonic()))
-    except subprocess.TimeoutExpired:
-        for proc in procs:
-            with_group = os.getpgid(proc.pid) if proc.poll() is None else None
-            if with_group:
-                os.killpg(with_group, signal.SIGKILL)
-        pytest.fail(f"a {nodes}-node job did not end within {JOB_SECONDS} s\n" + _all_logs(directory))
-    seconds = time.monotonic() - started
+        job.wait(JOB_SECONDS)
+    except TimeoutError as exc:
+        pytest.fail(f"{exc}\n{job.logs()}")
+    finally:
+        job.kill()
     results, failures = {}, {}
     for rank in range(nodes * ranks_per_node):
         for name, into in ((f"rank{rank}.json", results), (f"rank{rank}-failure.json", failures)):
             if (out / name).exists():
                 into[rank] = json.loads((out / name).read_text())
-    return [proc.returncode for proc in procs], results, failures, seconds
+    return job, results, failures
 
 
-def _wait_for_scheduler(port, proc, seconds=60):
-    """Until node 0's scheduler listens on `port` (so that it, not another launch's, is the job's)."""
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline and proc.poll() is None:
-        with socket.socket() as s:
-            if s.connect_ex(("127.0.0.1", port)) == 0:
-                return
-        time.sleep(0.1)
-
-
-def _all_logs(directory) -> str:
-    parts = [_worker_logs_in(directory / f"logs{i}") for i in range(4)]
-    parts += [p.read_text(errors="replace")[-2000:] for p in sorted(directory.glob("msrun*.out"))]
-    parts.append(_worker_logs(directory) if (directory / "logs").exists() else "")
-    return "\n".join(parts)
-
-
-def _worker_logs_in(logs) -> str:
-    return "\n".join(
-        f"--- {path}\n" + path.read_text(errors="replace")[-3000:] for path in sorted(logs.glob("worker_*.log"))
-    )
-
-
-def _launch_failed(directory, node, code) -> bool:
-    """Whether launch `node` failed. msrun on the host of the master address
-    starts a scheduler: on this one host every launch does, and the second's
-    cannot bind the port, so msrun exits 1 after its workers succeeded."""
-    if code == 0:
-        return False
-    scheduler = directory / f"logs{node}" / "scheduler.log"
-    duplicate = node > 0 and scheduler.exists() and "Failed to init the tcp server" in scheduler.read_text(errors="replace")
-    output = (directory / f"msrun{node}.out").read_text(errors="replace")
-    return not duplicate or "Worker process" in output and "exit with exception" in output
-
-
-def _assert_loaded(directory, codes, results, ranks, reference, references=None):
-    failed = [node for node, code in enumerate(codes) if _launch_failed(directory, node, code)]
-    assert not failed and sorted(results) == list(range(ranks)), (
-        f"exit codes {codes}, reports from ranks {sorted(results)}\n" + _all_logs(directory)
+def _assert_loaded(job, results, ranks, references):
+    """Every launch and rank ended well; each rank's parameters and random state those of the unpatched load of
+    its checkpoint (`references`: one per rank, or one for all)."""
+    assert not job.failed_launches() and sorted(results) == list(range(ranks)), (
+        f"failed launches {job.failed_launches()}, reports from ranks {sorted(results)}\n{job.logs()}"
     )
     for rank in range(ranks):
-        if references is not None:
-            reference = references[rank]
+        reference = references[rank] if isinstance(references, list) else references
         report = results[rank]["report"]
         assert report is not None, f"rank {rank}: the load was not accelerated"
         assert results[rank]["threads_after_load"] == [], results[rank]["threads_after_load"]
         _assert_same_arrays(
-            _arrays(reference), _arrays(directory / "out" / f"rank{rank}-loaded.npz"), f"rank {rank} loaded"
+            _arrays(reference), _arrays(Path(job.directory) / "out" / f"rank{rank}-loaded.npz"), f"rank {rank} loaded"
+        )
+        assert results[rank]["random_state"] == json.loads(reference.with_suffix(".json").read_text()), (
+            f"rank {rank}: the random state after the load differs from the unpatched load's"
         )
 
 
@@ -212,12 +160,10 @@ def test_nodes_read_each_byte_once(checkpoint, tmp_path, nodes, ranks_per_node):
     with slow_storage.SlowStorage(model, slow_storage.StorageSettings(latency_ms=0.0), mounts=nodes) as storage:
         for node in range(nodes):
             os.symlink(storage.mountpoints[node], tmp_path / f"node{node}")
-        codes, results, _, _ = run_nodes(
-            tmp_path, nodes, ranks_per_node, tmp_path / "{node}", {"MS_LOADPATCH_COOPERATIVE": "on"}
-        )
+        job, results, _ = run_nodes(tmp_path, nodes, ranks_per_node, tmp_path / "{node}", COOPERATE)
         served = storage.served()[0]
     ranks = nodes * ranks_per_node
-    _assert_loaded(tmp_path, codes, results, ranks, reference)
+    _assert_loaded(job, results, ranks, reference)
     size = _file_bytes(model)
     assert served <= 1.05 * size, f"the storage served {served} bytes for a checkpoint of {size} ({served / size:.2f}x)"
     _assert_shared(results, nodes, ranks, model)
@@ -236,14 +182,19 @@ def _assert_shared(results, nodes, ranks, model):
         assert report["bytes_from_storage"] + report["bytes_received"] == data, report
 
 
-def test_nodes_on_one_disk_share_the_reading(checkpoint, tmp_path):
+@pytest.mark.parametrize("dtype", [None, "bfloat16"])
+def test_nodes_on_one_disk_share_the_reading(checkpoint, tmp_path, dtype):
     """Without FUSE: two "nodes" reading the same local files still split the
-    reading and hand each other the bytes, every rank bit-identical."""
+    reading and hand each other the bytes, every rank bit-identical to the
+    unpatched load, also when it casts (fp32 file, bf16 model)."""
     model, reference = checkpoint
+    if dtype is not None:
+        reference = _unpatched(model, dtype)
     for node in range(2):
         os.symlink(model, tmp_path / f"node{node}")
-    codes, results, _, _ = run_nodes(tmp_path, 2, 1, tmp_path / "{node}", {"MS_LOADPATCH_COOPERATIVE": "on"})
-    _assert_loaded(tmp_path, codes, results, 2, reference)
+    args = ["--dtype", dtype] if dtype else []
+    job, results, _ = run_nodes(tmp_path, 2, 1, tmp_path / "{node}", COOPERATE, args=args)
+    _assert_loaded(job, results, 2, reference)
     _assert_shared(results, 2, 2, model)
 
 
@@ -255,8 +206,8 @@ def test_nodes_loading_other_checkpoints_each_read_alone(checkpoint, tmp_path_fa
     other, other_reference = _checkpoint(tmp_path_factory.mktemp("other") / "qwen2", 1)
     os.symlink(model, tmp_path / "node0")
     os.symlink(other, tmp_path / "node1")
-    codes, results, _, _ = run_nodes(tmp_path, 2, 1, tmp_path / "{node}", {"MS_LOADPATCH_COOPERATIVE": "on"})
-    _assert_loaded(tmp_path, codes, results, 2, None, references=[reference, other_reference])
+    job, results, _ = run_nodes(tmp_path, 2, 1, tmp_path / "{node}", COOPERATE)
+    _assert_loaded(job, results, 2, [reference, other_reference])
     for rank in range(2):
         report = results[rank]["report"]
         assert report["cooperative"] == "alone: rank 1 loads other files than rank 0 (names, sizes or headers differ)"
@@ -270,18 +221,16 @@ def test_a_rank_that_never_enters_the_agreement(checkpoint, tmp_path):
     model, reference = checkpoint
     for node in range(2):
         os.symlink(model, tmp_path / f"node{node}")
-    codes, results, _, seconds = run_nodes(
-        tmp_path, 2, 1, tmp_path / "{node}", {"MS_LOADPATCH_COOPERATIVE": "on"}, {1: {"MS_LOADPATCH": "0"}}
-    )
-    assert not any(_launch_failed(tmp_path, node, code) for node, code in enumerate(codes)), _all_logs(tmp_path)
+    job, results, _ = run_nodes(tmp_path, 2, 1, tmp_path / "{node}", COOPERATE, {1: {"MS_LOADPATCH": "0"}})
+    assert not job.failed_launches() and sorted(results) == [0, 1], job.logs()
     assert results[1]["report"] is None and not results[1]["enabled"]
     assert results[0]["report"]["cooperative"].startswith("alone: the agreement over the job's collective failed")
     for rank in range(2):
         _assert_same_arrays(_arrays(reference), _arrays(tmp_path / "out" / f"rank{rank}-loaded.npz"), f"rank {rank}")
 
 
-def _assert_failed_cleanly(directory, failures, rank, *texts):
-    assert rank in failures, f"rank {rank} wrote no failure report\n" + _all_logs(directory)
+def _assert_failed_cleanly(job, failures, rank, *texts):
+    assert rank in failures, f"rank {rank} wrote no failure report\n{job.logs()}"
     failure = failures[rank]
     assert all(text in failure["error"] for text in texts), failure
     assert failure["state_restored"] == "yes", failure["state_restored"]
@@ -298,10 +247,9 @@ def test_a_read_error_reaches_every_rank(checkpoint, tmp_path):
     with slow_storage.SlowStorage(model, settings, mounts=2) as storage:
         for node in range(2):
             os.symlink(storage.mountpoints[node], tmp_path / f"node{node}")
-        codes, _, failures, _ = run_nodes(tmp_path, 2, 1, tmp_path / "{node}", {"MS_LOADPATCH_COOPERATIVE": "on"})
-    assert codes[0] != 0
+        job, _, failures = run_nodes(tmp_path, 2, 1, tmp_path / "{node}", COOPERATE)
     for rank in range(2):
-        _assert_failed_cleanly(tmp_path, failures, rank, "model-0000")
+        _assert_failed_cleanly(job, failures, rank, "model-0000")
         assert failures[rank]["error_type"] == "CheckpointError", failures[rank]
 
 
@@ -309,7 +257,7 @@ def test_a_read_error_reaches_every_rank(checkpoint, tmp_path):
 def test_a_rank_killed_mid_load(checkpoint, tmp_path):
     """Rank 1 is killed while the checkpoint crosses the job: rank 0's load
     ends (the collective's timeout) with an error naming rank 1, its
-    process as it was; the job ends."""
+    process as it was, and no model; the job ends."""
     model, _ = checkpoint
     settings = slow_storage.StorageSettings(latency_ms=2.0, total_mb_s=8.0)
 
@@ -320,14 +268,13 @@ def test_a_rank_killed_mid_load(checkpoint, tmp_path):
                 os.kill(int((out / "rank1.pid").read_text()), signal.SIGKILL)
                 return
             time.sleep(0.05)
-        pytest.fail("the job never got far enough to kill rank 1\n" + _all_logs(tmp_path))
+        pytest.fail("the job never got far enough to kill rank 1")
 
     with slow_storage.SlowStorage(model, settings, mounts=2) as storage:
         for node in range(2):
             os.symlink(storage.mountpoints[node], tmp_path / f"node{node}")
-        codes, results, failures, _ = run_nodes(
-            tmp_path, 2, 1, tmp_path / "{node}", {"MS_LOADPATCH_COOPERATIVE": "on"},
-            while_running=kill_rank_1_once_reading,
+        job, results, failures = run_nodes(
+            tmp_path, 2, 1, tmp_path / "{node}", COOPERATE, while_running=kill_rank_1_once_reading
         )
     assert 0 not in results, "rank 0 returned a model although rank 1 died mid-load"
-    _assert_failed_cleanly(tmp_path, failures, 0, "rank(s) 1")
+    _assert_failed_cleanly(job, failures, 0, "rank(s) 1")

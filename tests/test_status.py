@@ -32,7 +32,9 @@ TOP_KEYS = {
     "activation",
     "last_build",
     "lazy_import",
+    "multi_node",
 }
+MULTI_NODE_KEYS = {"env_var", "mode", "job_ranks", "node", "collective_probe"}
 PYTHON_KEYS = {"version", "supported", "tested", "tested_here"}
 LIBRARY_KEYS = {"accelerated", "reason", "advice"}
 TECHNIQUE_KEYS = {"name", "kind", "libraries", "description", "state", "reason"}
@@ -103,6 +105,7 @@ def test_json_has_the_documented_shape():
     assert set(status["activation"]) == ACTIVATION_KEYS
     assert status["tested"] == {name: list(v) for name, v in versions.TESTED.items()}
     assert set(status["python"]) == PYTHON_KEYS
+    assert set(status["multi_node"]) == MULTI_NODE_KEYS and status["multi_node"]["job_ranks"] is None
     if versions.check().ok:
         assert all(v["accelerated"] is True for v in status["libraries"].values())
 

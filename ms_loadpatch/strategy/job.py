@@ -306,6 +306,7 @@ def status() -> dict:
     """MS_LOADPATCH_COOPERATIVE and the collective's probe, where run."""
     probe = _probes.as_dict().get("collective")
     return {
+        "env_var": ENV_VAR,
         "mode": mode(),
         "job_ranks": job_size(),
         "node": node_identity(),
