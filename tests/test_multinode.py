@@ -8,8 +8,9 @@ serves). Every job ends by itself or is killed at JOB_SECONDS and fails.
   (strategy/cooperative.py): the storage serves the checkpoint once, every
   rank's model bit for bit the unpatched load's;
 - ranks that disagree about the checkpoint each read alone, correctly;
-- a rank that never enters the agreement, a read error on a reading rank
-  and a rank killed mid-load end the job with errors, never a hang.
+- a rank that never enters the agreement, a read error on a reading rank,
+  a rank killed mid-load and one whose load fails end the job with errors
+  naming the rank or file, never a hang.
 """
 
 import json
@@ -277,4 +278,29 @@ def test_a_rank_killed_mid_load(checkpoint, tmp_path):
             tmp_path, 2, 1, tmp_path / "{node}", COOPERATE, while_running=kill_rank_1_once_reading
         )
     assert 0 not in results, "rank 0 returned a model although rank 1 died mid-load"
-    _assert_failed_cleanly(job, failures, 0, "rank(s) 1")
+    _assert_failed_cleanly(job, failures, 0, "with rank(s) 1")
+
+
+@needs_fuse
+def test_a_rank_whose_load_fails_mid_load(checkpoint, tmp_path):
+    """Node 1's config names a RoPE type mindone does not know (same
+    files): rank 1's build raises while the checkpoint crosses the job
+    (slow storage); rank 0's load ends with an error naming rank 1 instead
+    of waiting or returning a model; both processes as they were."""
+    model, _ = checkpoint
+    other = tmp_path / "other-config"
+    other.mkdir()
+    config = json.loads((model / "config.json").read_text())
+    config["rope_scaling"] = {"rope_type": "no-such-rope", "factor": 2.0}
+    (other / "config.json").write_text(json.dumps(config))
+    settings = slow_storage.StorageSettings(latency_ms=2.0, total_mb_s=8.0)
+    with slow_storage.SlowStorage(model, settings, mounts=2) as storage:
+        os.symlink(storage.mountpoints[0], tmp_path / "node0")
+        for name in os.listdir(storage.mountpoints[1]):
+            if name != "config.json":
+                os.symlink(os.path.join(storage.mountpoints[1], name), other / name)
+        os.symlink(other, tmp_path / "node1")
+        job, results, failures = run_nodes(tmp_path, 2, 1, tmp_path / "{node}", COOPERATE)
+    assert not results, "a rank returned a model although rank 1's load failed"
+    _assert_failed_cleanly(job, failures, 1, "no-such-rope")
+    _assert_failed_cleanly(job, failures, 0, "rank(s) 1 of the job abandoned the load")

@@ -5,11 +5,12 @@ collective (strategy/job.py), so the shared storage serves each byte once.
 The plan is computed alike on every rank from the headers: each file's data
 section in chunks of the probed message size, handed to the nodes in turn
 so that each reads about 1/N of the bytes. On each node its lowest rank
-reads; every other rank, on its node or another, receives. Per chunk every
-rank first says, in one small AllReduce, whether it can go on (the reader
-has the chunk, nobody abandoned the load), then the reader broadcasts it:
-all ranks stop at the same chunk, so none waits for bytes that will never
-come. A last AllReduce closes the schedule.
+reads; every other rank, on its node or another, receives. Each chunk is
+one Broadcast from its reader, whose last word says whether the reader goes
+on (it read the chunk, its load did not end); every STATES_EVERY chunks,
+and at the end, one small AllReduce gathers every rank's state. All ranks
+stop at the same chunk, so none waits for bytes that will never come, and
+none returns while another still waits on it.
 
 Staging per rank is the message being sent or received (two chunks at
 most); the files' buffers are the read's own, at most AHEAD_FILES not yet
@@ -47,6 +48,9 @@ from .threaded_read import (
 
 AHEAD_FILES = 2  # files received and not yet taken by the load
 AHEAD_CHUNKS = 4  # chunks a reading rank reads before they are sent
+# Every rank's state is gathered every this many chunks (a receiving rank
+# that abandons the load is heard there); a sender's comes with each chunk.
+STATES_EVERY = 8
 _SPLIT_FROM = 1 << 20
 # each rank's state before a chunk
 _GOING_ON, _READ_FAILED, _ABANDONED = 0, 1, 2
@@ -178,10 +182,11 @@ def start(files, report, cleanup) -> CooperativeRead | None:
             report.cooperative = f"alone: {agreement.reason}"
             _SESSION.release()
             return None
-        chunk = min(job.chunk_bytes(), job.collective_probe(collectives, agreement.readers).largest)
+        # a chunk and its sender's state in one message no larger than the probe passed
+        chunk = min(job.chunk_bytes(), job.collective_probe(collectives, agreement.readers).largest) - 64
         read = CooperativeRead(layouts, plan_chunks(layouts, agreement.nodes, chunk), agreement, collectives, report)
         report.cooperative = f"with the job: {agreement.reason}"
-        report.staging_bytes = 2 * chunk
+        report.staging_bytes = 2 * (chunk + 64)
     except BaseException:
         _SESSION.release()
         raise
@@ -189,6 +194,13 @@ def start(files, report, cleanup) -> CooperativeRead | None:
     _loads_reading_with_job.add(threading.get_ident())
     read.start()  # the session lock is released when its schedule ends
     return read
+
+
+def _abandoned_by(ranks) -> RuntimeError:
+    return RuntimeError(
+        f"ms_loadpatch: rank(s) {', '.join(map(str, ranks))} of the job abandoned the load "
+        "(an error or an interrupt there); their logs say why"
+    )
 
 
 def _first_line(exc) -> str:
@@ -233,6 +245,10 @@ class CooperativeRead:
         self.sent = self.received = self.read_bytes = 0
         self._load_thread = threading.get_ident()
         self._root = None  # the rank sending the chunk being exchanged (None: all ranks' states)
+        # the message sent or received: a chunk and the sender's state
+        self._message = np.empty(max((c.end - c.begin + 3) // 4 for c in chunks) + 1 if chunks else 1, np.int32)
+        self._started = time.perf_counter()
+        self.seconds = 0.0
 
     # -- the load's side
 
@@ -322,23 +338,21 @@ class CooperativeRead:
                 if chunk.begin == 0:
                     keep[chunk.file] = self._wait_for_slot(chunk.file)
                     file.started = time.perf_counter()
-                root = self._root = self.agreement.readers[chunk.node]
-                if not self._go_on(number, chunk, root):
+                if number and number % STATES_EVERY == 0 and not self._states_agree():
                     return
-                self._send_or_receive(chunk, root, keep[chunk.file] or root == self.rank)
+                root = self._root = self.agreement.readers[chunk.node]
+                state = self._exchange(number, chunk, root, keep[chunk.file])
                 if root == self.rank:
                     self._ahead.release()
+                if state != _GOING_ON:
+                    self._fail_at(state, chunk, root)
+                    return
                 if chunk.end == layout.data_len:
                     file.ended = time.perf_counter()
                     if not keep[chunk.file]:
                         file.buffer = None
                     file.done.set()
-            with self._cond:
-                last = _ABANDONED if self._abandoned else _GOING_ON
-            self._root = None
-            states = self.collectives.states(last)
-            if states.any():
-                self._fail_from(states, None, None)
+            self._states_agree()
         except Exception as exc:  # noqa: BLE001 - the collective failed: the load raises it
             root = self._root
             peers = [root] if root is not None and root != self.rank else self._others()
@@ -348,6 +362,7 @@ class CooperativeRead:
                 "the load"
             )
         finally:
+            self.seconds = time.perf_counter() - self._started
             self._stop.set()
             for _ in range(AHEAD_CHUNKS):
                 self._ahead.release()
@@ -356,56 +371,60 @@ class CooperativeRead:
     def _others(self) -> list[int]:
         return [rank for rank in range(self.collectives.size) if rank != self.rank]
 
-    def _go_on(self, number: int, chunk: Chunk, root: int) -> bool:
-        """Every rank's state before `chunk` (one AllReduce); False, with the error set, where any stops."""
+    def _mine(self) -> int:
         with self._cond:
-            mine = _ABANDONED if self._abandoned else _GOING_ON
-        if mine == _GOING_ON and root == self.rank:
-            with self._cond:
-                while number not in self._read:  # being read by this rank's reader
-                    self._cond.wait()
-                if self._read.pop(number) is not None:
-                    mine = _READ_FAILED
-        states = self.collectives.states(mine)
-        if not states.any():
+            return _ABANDONED if self._abandoned else _GOING_ON
+
+    def _states_agree(self) -> bool:
+        """Every rank's state (one AllReduce): what a receiving rank says only here; False, the error set, where
+        one abandoned the load."""
+        self._root = None
+        states = self.collectives.states(self._mine())
+        gone = [rank for rank, state in enumerate(states) if state]
+        if not gone:
             return True
-        self._fail_from(states, chunk, root)
+        if gone != [self.rank]:
+            self._error = _abandoned_by([rank for rank in gone if rank != self.rank])
         return False
 
-    def _fail_from(self, states, chunk: Chunk | None, root) -> None:
-        failed = [rank for rank, state in enumerate(states) if state == _READ_FAILED]
-        if failed and failed[0] == self.rank:
-            return  # the reader's own error, set by the reader
-        layout = self.layouts[chunk.file] if chunk is not None else None
-        if failed:
+    def _exchange(self, number: int, chunk: Chunk, root: int, keep: bool) -> int:
+        """`chunk` sent by `root` to every rank, with root's state in the message's last word; that state."""
+        length = chunk.end - chunk.begin
+        words = -(-length // 4)
+        message = self._message[: words + 1]
+        if root == self.rank:
+            state = self._mine()
+            if state == _GOING_ON:
+                with self._cond:
+                    while number not in self._read:  # being read by this rank's reader
+                        self._cond.wait()
+                    if self._read.pop(number) is not None:
+                        state = _READ_FAILED
+            if state == _GOING_ON:
+                message.view(np.uint8)[:length] = self._buffer(chunk.file)[chunk.begin : chunk.end]
+            message[words] = state
+            self.collectives.broadcast(message, root)
+            self.sent += length
+            return state
+        got = self.collectives.broadcast(message, root)
+        state = int(got[words])
+        if state == _GOING_ON:
+            self.received += length
+            if keep:
+                self._buffer(chunk.file)[chunk.begin : chunk.end] = got.view(np.uint8)[:length]
+        return state
+
+    def _fail_at(self, state: int, chunk: Chunk, root: int) -> None:
+        if root == self.rank:
+            return  # this rank's own error: the reader's, or the load's that abandoned
+        if state == _READ_FAILED:
             self._error = CheckpointError(
-                layout.path,
-                f"rank {failed[0]} could not read bytes {chunk.begin}-{chunk.end} of its data for the job "
+                self.layouts[chunk.file].path,
+                f"rank {root} could not read bytes {chunk.begin}-{chunk.end} of its data for the job "
                 "(that rank's error says why)",
             )
         else:
-            gone = [rank for rank, state in enumerate(states) if state == _ABANDONED]
-            self._error = RuntimeError(
-                f"ms_loadpatch: rank(s) {', '.join(map(str, gone))} of the job abandoned the load "
-                "(an error or an interrupt there); their logs say why"
-            )
-
-    def _send_or_receive(self, chunk: Chunk, root: int, keep: bool) -> None:
-        length = chunk.end - chunk.begin
-        words = -(-length // 4)
-        if root == self.rank:
-            data = self._buffer(chunk.file)[chunk.begin : chunk.end]
-            if length % 4:
-                padded = np.zeros(words * 4, dtype=np.uint8)
-                padded[:length] = data
-                data = padded
-            self.collectives.broadcast(data.view(np.int32), root)
-            self.sent += length
-            return
-        got = self.collectives.broadcast(np.empty(words, dtype=np.int32), root)
-        self.received += length
-        if keep:
-            self._buffer(chunk.file)[chunk.begin : chunk.end] = got.view(np.uint8)[:length]
+            self._error = _abandoned_by([root])
 
     def _read_owned(self) -> None:
         """This node's chunks from storage, in the order they are sent, at most AHEAD_CHUNKS ahead."""

@@ -93,7 +93,7 @@ class Collectives:
         op = self._broadcasts.get(root)
         if op is None:
             op = self._broadcasts[root] = self._ops.Broadcast(root, group=self.group)
-        return op((ms.Tensor(words),))[0].asnumpy()
+        return op((ms.Tensor.from_numpy(words),))[0].asnumpy()  # the array's memory, not a copy
 
 
 def job_size() -> int | None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import sys
 import threading
 import time
 
@@ -90,7 +91,7 @@ class Load:
                     self.close_construction()  # also on error: lock and no-init flag released
                 finally:
                     try:
-                        self.cleanup.close()
+                        self.cleanup.__exit__(*sys.exc_info())  # callbacks pushed with exit learn of an error
                     finally:
                         self.report.total = time.perf_counter() - start
         reports.emit(self.report)
