@@ -13,9 +13,9 @@ from ms_loadpatch.strategy.probe_cache import ProbeCache
 def node_of(monkeypatch):
     """`node_of(node, digest, state, storage_mb_s)`: a rank's statement as made on `node`."""
 
-    def make(node, digest="files", state=job.READY, storage_mb_s=-1):
+    def make(node, digest="files", state=job.READY, cached=False):
         monkeypatch.setenv(job.NODE_ENV_VAR, node)
-        return job.Statement(state, digest, storage_mb_s).values()
+        return job.Statement(state, digest, cached).values()
 
     return make
 
@@ -66,31 +66,50 @@ def probe(monkeypatch):
     return set_probe
 
 
+class _TimedRates:
+    """The job's collective as settle uses it to gather the ranks' first-read rates: each rank's `rates`."""
+
+    def __init__(self, rates):
+        self.rates = rates
+
+    def gather(self, values):
+        return np.array([[rate] for rate in self.rates])
+
+
 @pytest.mark.parametrize(
-    "mode,storage,collective,cooperates,reason",
+    "mode,rates,collective,cooperates,reason",
     [
-        ("auto", 0, 100e6, False, "the checkpoint is in every node's page cache"),
-        ("auto", -1, 100e6, False, "the storage's rate could not be timed"),
-        ("auto", 1000, 100e6, False, "storage reads 1000 MB/s per node, faster than the collective 100 MB/s"),
-        ("auto", 90, 100e6, False, "storage reads 90 MB/s per node"),  # inside the margin
-        ("auto", 50, 100e6, True, "2 nodes, storage 50 MB/s per node, collective 100 MB/s"),
-        ("on", 1000, 100e6, True, "2 nodes, MS_LOADPATCH_COOPERATIVE=on (collective 100 MB/s)"),
-        ("on", 0, 100e6, True, "2 nodes, MS_LOADPATCH_COOPERATIVE=on"),
+        ("auto", [0, 0], 100e6, False, "the storage's rate could not be timed"),
+        ("auto", [1000, 900], 100e6, False, "storage reads 900 MB/s per node, faster than the collective 100 MB/s"),
+        ("auto", [90, 200], 100e6, False, "storage reads 90 MB/s per node"),  # inside the margin
+        ("auto", [50, 0], 100e6, True, "2 nodes, storage 50 MB/s per node, collective 100 MB/s"),
+        ("on", [1000, 1000], 100e6, True, "2 nodes, MS_LOADPATCH_COOPERATIVE=on (collective 100 MB/s)"),
     ],
 )
-def test_the_choice_follows_the_rates(node_of, probe, monkeypatch, mode, storage, collective, cooperates, reason):
+def test_the_choice_follows_the_rates(node_of, probe, monkeypatch, mode, rates, collective, cooperates, reason):
     monkeypatch.setenv(job.ENV_VAR, mode)
     probe(16 << 20, collective)
-    agreement = job.settle(
-        None, job.conclude(np.array([node_of("a", storage_mb_s=storage), node_of("b", storage_mb_s=storage)]))
-    )
+    agreement = job.conclude(np.array([node_of("a"), node_of("b")]))
+    agreement = job.settle(_TimedRates(rates), agreement, lambda: rates[0])
     assert agreement.cooperate == cooperates and agreement.reason.startswith(reason), agreement.reason
+
+
+@pytest.mark.parametrize("mode,cooperates", [("auto", False), ("on", True)])
+def test_a_checkpoint_cached_on_every_node(node_of, probe, monkeypatch, mode, cooperates):
+    """auto reads alone without timing anything; on cooperates all the same."""
+    monkeypatch.setenv(job.ENV_VAR, mode)
+    probe(16 << 20, 100e6)
+    agreement = job.conclude(np.array([node_of("a", cached=True), node_of("b", cached=True)]))
+    agreement = job.settle(None, agreement, lambda: pytest.fail("nothing is timed"))
+    assert agreement.cooperate == cooperates
+    if not cooperates:
+        assert agreement.reason == "the checkpoint is in every node's page cache"
 
 
 def test_a_failed_probe_makes_every_rank_read_alone(node_of, probe, monkeypatch):
     monkeypatch.setenv(job.ENV_VAR, "on")
     probe(0, 0.0, "a broadcast of 1 MB failed: Launch kernel failed")
-    agreement = job.settle(None, job.conclude(np.array([node_of("a"), node_of("b")])))
+    agreement = job.settle(None, job.conclude(np.array([node_of("a"), node_of("b")])), lambda: 0)
     assert not agreement.cooperate
     assert agreement.reason == "the collective's probe failed: a broadcast of 1 MB failed: Launch kernel failed"
 

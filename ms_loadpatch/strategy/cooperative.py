@@ -132,12 +132,12 @@ def plan_chunks(layouts, nodes: int, chunk: int) -> list[Chunk]:
     return chunks
 
 
-def _storage_rate(layout: FileLayout) -> int:
-    """MB/s of this node's first read of `layout` (0: in the page cache; -1: not timed)."""
+def _first_read_mb_s(layout: FileLayout) -> int:
+    """MB/s of this node's first read of `layout` (0: in the page cache, or not timed)."""
     if not page_cache.is_cold(layout.cached):
-        return 0 if layout.cached is not None else -1
+        return 0
     rate = first_read_rate(layout.path)
-    return -1 if rate is None else max(1, int(rate / 1e6))
+    return 0 if rate is None else max(1, int(rate / 1e6))
 
 
 def take_part_without_loading(state: int = job.NOT_ACCELERATED) -> None:
@@ -170,10 +170,10 @@ def start(files, report, cleanup) -> CooperativeRead | None:
             except Exception:  # noqa: BLE001 - this rank's own read raises the error naming the file
                 statement.state = job.UNREADABLE
             else:
-                rate = _storage_rate(layouts[0]) if job.mode() == job.AUTO else -1
-                statement = job.Statement(job.READY, digest, rate, job.probed())
+                cached = layouts[0].cached is not None and not page_cache.is_cold(layouts[0].cached)
+                statement = job.Statement(job.READY, digest, cached, job.probed())
         try:
-            agreement = job.settle(collectives, job.agree(collectives, statement))
+            agreement = job.settle(collectives, job.agree(collectives, statement), lambda: _first_read_mb_s(layouts[0]))
         except Exception as exc:  # noqa: BLE001 - the collective failed: read alone, as without a job
             report.cooperative = f"alone: the agreement over the job's collective failed ({_first_line(exc)})"
             _SESSION.release()

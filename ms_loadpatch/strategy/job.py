@@ -137,12 +137,12 @@ def _words(text: str, count: int) -> list[int]:
 @dataclass
 class Statement:
     """What one rank says before a load: its state, the digest of what it is
-    about to read, how fast its storage read the first file (MB/s; 0: in the
-    page cache; -1: not timed), its settings and whether it probed already."""
+    about to read, whether its node has the first file in its page cache,
+    its settings and whether it probed already."""
 
     state: int
     digest: str = ""
-    storage_mb_s: int = -1
+    cached: bool = False
     probed: bool = False
 
     def values(self) -> list[int]:
@@ -151,7 +151,7 @@ class Statement:
             self.state,
             *_words(node_identity(), 2),
             *_words(self.digest, 8),
-            self.storage_mb_s,
+            int(self.cached),
             chunk_bytes() >> 20,
             CHOICES.index(mode()),
             int(self.probed),
@@ -166,7 +166,8 @@ class Agreement:
     reason: str
     node_of_rank: list[int]  # node index per rank, nodes numbered by their lowest rank
     readers: list[int]  # the rank that reads for each node (its lowest)
-    storage_mb_s: int = -1  # the slowest node's first read (MB/s); -1 unknown, 0 cached
+    cached: bool = False  # every rank has the first file in its node's page cache
+    storage_mb_s: int = -1  # the slowest node's first read (MB/s), where timed
 
     @property
     def nodes(self) -> int:
@@ -181,10 +182,7 @@ def conclude(table: np.ndarray) -> Agreement:
         first.setdefault(key, rank)
     readers = sorted(first.values())
     node_of_rank = [readers.index(first[key]) for key in node_keys]
-    agreement = Agreement(False, "", node_of_rank, readers)
-    rates = [int(row[12]) for row in table]
-    cold = [rate for rate in rates if rate > 0]
-    agreement.storage_mb_s = min(cold) if cold else (0 if all(rate == 0 for rate in rates) else -1)
+    agreement = Agreement(False, "", node_of_rank, readers, cached=bool(all(row[12] for row in table)))
     for rank, row in enumerate(table):
         if row[0] != _PROTOCOL:
             agreement.reason = f"rank {rank} runs another version of ms_loadpatch"
@@ -274,24 +272,30 @@ def _run_probe(collectives: Collectives, readers: list[int]) -> CollectiveProbe:
     return CollectiveProbe(largest, rate, problem)
 
 
-def settle(collectives: Collectives, agreement: Agreement) -> Agreement:
-    """`agreement` with MS_LOADPATCH_COOPERATIVE's choice applied, the
-    collective probed where it is still a candidate (the same on every rank:
-    each step follows from the gathered statements)."""
+def settle(collectives: Collectives, agreement: Agreement, first_read_mb_s) -> Agreement:
+    """`agreement` with MS_LOADPATCH_COOPERATIVE's choice applied (the same
+    on every rank: each step follows from what all ranks gathered). Under
+    `auto`, every rank times its first read (`first_read_mb_s()`: MB/s, 0
+    where it came from the page cache) at the same moment, right after a
+    collective, so that storage the nodes share shows the rate each gets
+    when all read; the collective is probed where it is still a candidate."""
     if not agreement.cooperate:
         return agreement
-    storage = agreement.storage_mb_s
-    if mode() == AUTO and storage == 0:
-        agreement.cooperate, agreement.reason = False, "the checkpoint is in every node's page cache"
-        return agreement
-    if mode() == AUTO and storage < 0:
-        agreement.cooperate, agreement.reason = False, "the storage's rate could not be timed"
-        return agreement
+    if mode() == AUTO:
+        if agreement.cached:
+            agreement.cooperate, agreement.reason = False, "the checkpoint is in every node's page cache"
+            return agreement
+        cold = [int(rate) for rate in collectives.gather([first_read_mb_s()])[:, 0] if rate > 0]
+        if not cold:
+            agreement.cooperate, agreement.reason = False, "the storage's rate could not be timed"
+            return agreement
+        agreement.storage_mb_s = min(cold)
     probe = collective_probe(collectives, agreement.readers)
     if probe.largest == 0:
         agreement.cooperate, agreement.reason = False, f"the collective's probe failed: {probe.problem}"
         return agreement
     collective = f"collective {probe.bytes_per_s / 1e6:.0f} MB/s"
+    storage = agreement.storage_mb_s
     if mode() == ON:
         agreement.reason += f", {ENV_VAR}=on ({collective})"
     elif probe.bytes_per_s < AUTO_MARGIN * storage * 1e6:
