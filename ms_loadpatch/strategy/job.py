@@ -220,7 +220,6 @@ class CollectiveProbe:
     problem: str | None = None
 
 
-_PROBE_SIZES_MB = (1, 4)
 _probes = ProbeCache()  # "collective" -> CollectiveProbe
 
 
@@ -231,42 +230,46 @@ def probed() -> bool:
 def collective_probe(collectives: Collectives, readers: list[int]) -> CollectiveProbe:
     """The collective's probe, once per process (every rank runs it at the
     same point: the first load whose agreement allows cooperating). Messages
-    of 1 MB, 4 MB and the chunk size, from the first and the last node's
-    reader, each checked word for word on every rank; a message larger than
-    the largest that passed is never sent."""
+    of 1 MB and the chunk size from the first and the last node's reader,
+    then the chunk size once more from the first, timed (a shape the
+    collective has sent before), each checked word for word on every rank;
+    a message larger than the largest that passed is never sent."""
     return _probes.get("collective", lambda: _run_probe(collectives, readers))
 
 
 def _run_probe(collectives: Collectives, readers: list[int]) -> CollectiveProbe:
     limit = chunk_bytes()
-    sizes = sorted({min(mb << 20, limit) for mb in _PROBE_SIZES_MB} | {limit})
+    sizes = sorted({min(1 << 20, limit), limit})
     roots = sorted({readers[0], readers[-1]})
-    passed, seconds, problem = 0, 0.0, None
-    for size in sizes:
+    passed, seconds, problem, broke = 0, 0.0, None, False
+    # each size from every root, then the largest once more from the first, timed: a shape sent before
+    for size, senders in [(size, roots) for size in sizes] + [(limit, roots[:1])]:
         words = size // 4
         ok = True
-        started = time.perf_counter()
-        for root in roots:
-            expected = (np.arange(words, dtype=np.int64) * 2654435761 + root + size).astype(np.int32)
+        patterns = {
+            root: (np.arange(words, dtype=np.int64) * 2654435761 + root + size).astype(np.int32) for root in senders
+        }
+        started = time.perf_counter()  # the messages made before: the time is the collective's
+        for root, expected in patterns.items():
             mine = expected if collectives.rank == root else np.zeros(words, dtype=np.int32)
             try:
                 got = collectives.broadcast(mine, root)
             except Exception as exc:  # noqa: BLE001 - the verdict: nothing larger is sent
                 problem = f"a broadcast of {size >> 20} MB failed: {str(exc).strip().splitlines()[0]}"
-                ok = False
+                ok = broke = True
                 break
             ok = ok and got.shape == expected.shape and np.array_equal(got, expected)
         elapsed = time.perf_counter() - started
+        if broke:  # no more collectives; a rank still in one gets the collective's timeout and breaks too
+            return CollectiveProbe(0, 0.0, problem)
         if not ok:
-            problem = problem or f"a broadcast of {size >> 20} MB arrived changed"
+            problem = f"a broadcast of {size >> 20} MB arrived changed"
             break
         passed, seconds = size, elapsed
-    if problem is not None and "failed" in problem:
-        return CollectiveProbe(passed, 0.0, problem)  # the collective broke: no more collectives
     table = collectives.gather([passed >> 20, int(seconds * 1e6)])
     largest = int(table[:, 0].min()) << 20
     slowest = float(table[:, 1].max()) / 1e6
-    rate = largest * len(roots) / slowest if largest and slowest > 0 else 0.0
+    rate = largest / slowest if largest and slowest > 0 else 0.0
     if largest == 0:
         problem = problem or "no message arrived intact on every rank"
     return CollectiveProbe(largest, rate, problem)
