@@ -5,7 +5,7 @@ the decision, the plan. The jobs themselves run in tests/test_multinode.py."""
 import numpy as np
 import pytest
 
-from ms_loadpatch.strategy import cooperative, job
+from ms_loadpatch.strategy import job, shares
 from ms_loadpatch.strategy.probe_cache import ProbeCache
 
 
@@ -122,8 +122,8 @@ class _Layout:
 @pytest.mark.parametrize("nodes", [2, 3])
 def test_the_plan_covers_every_byte_once_balanced_by_bytes(nodes):
     layouts = [_Layout(n) for n in (10_000_003, 0, 4_096, 7_777_777)]
-    chunks = cooperative.plan_chunks(layouts, nodes, 1 << 20)
-    assert chunks == cooperative.plan_chunks(layouts, nodes, 1 << 20)  # the same on every rank
+    chunks = shares.plan_chunks(layouts, nodes, 1 << 20)
+    assert chunks == shares.plan_chunks(layouts, nodes, 1 << 20)  # the same on every rank
     for index, layout in enumerate(layouts):
         spans = [(c.begin, c.end) for c in chunks if c.file == index]
         covered = [b for begin, end in spans for b in (begin, end)]

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from ms_loadpatch.strategy.cooperative import read_layouts
+from ms_loadpatch.strategy.shares import read_layouts
 from ms_loadpatch.tools import slow_storage
 from ms_loadpatch.tools.nodes import NodesJob
 

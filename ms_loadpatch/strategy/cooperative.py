@@ -2,10 +2,11 @@
 reading, and each chunk one node read reaches every rank over the job's
 collective (strategy/job.py), so the shared storage serves each byte once.
 
-The plan is computed alike on every rank from the headers: each file's data
-section in chunks of the probed message size, handed to the nodes in turn
-so that each reads about 1/N of the bytes. On each node its lowest rank
-reads; every other rank, on its node or another, receives. Each chunk is
+The plan (strategy/shares.py) is computed alike on every rank from the
+headers: each file's data section in chunks of the probed message size,
+handed to the nodes in turn so that each reads about 1/N of the bytes. On
+each node its lowest rank reads; every other rank, on its node or another,
+receives. Each chunk is
 one Broadcast from its reader, whose last word says whether the reader goes
 on (it read the chunk, its load did not end); every STATES_EVERY chunks,
 and at the end, one small AllReduce gathers every rank's state. All ranks
@@ -20,27 +21,25 @@ taken by the load.
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import os
-import struct
 import threading
 import time
-from dataclasses import dataclass
 
 import numpy as np
 
 from ..activation import env_int
 from . import job, page_cache
+from .prefetch import FileRead
 from .ranks import node_share
 from .reader import arrays_in
-from .safetensors_header import MAX_HEADER_BYTES, CheckpointError, checkpoint_os_error, parse_header
+from .safetensors_header import CheckpointError, checkpoint_os_error
+from .shares import Chunk, first_read_mb_s, no_read_ahead, plan_chunks, read_layouts
 from .threaded_read import (
     COLD_READ_THREADS,
     COLD_READ_THREADS_ENV_VAR,
     ReadPlan,
     ReadStopped,
     data_buffer,
-    first_read_rate,
     join_or_leave,
     read_into,
     read_threads,
@@ -57,87 +56,6 @@ _GOING_ON, _READ_FAILED, _ABANDONED = 0, 1, 2
 # one cooperative schedule at a time per process: collectives pair by order
 _SESSION = threading.Lock()
 _loads_reading_with_job: set[int] = set()  # threads whose load reads with the job (until it ends)
-
-
-@dataclass(frozen=True)
-class FileLayout:
-    path: str
-    header: object  # safetensors_header.SafetensorsHeader
-    size: int
-    cached: float | None  # share in this node's page cache when the load began
-
-    @property
-    def data_len(self) -> int:
-        return max((end for _, _, _, end in self.header.entries.values()), default=0)
-
-
-@dataclass(frozen=True)
-class Chunk:
-    file: int  # index into the layouts
-    begin: int  # bytes of the file's data section
-    end: int
-    node: int  # the node that reads it
-
-
-def read_layouts(files) -> tuple[list[FileLayout], str]:
-    """Each file's checked header, and a digest of the files' names, sizes, modification times and headers."""
-    digest = hashlib.sha256()
-    layouts = []
-    for path in files:
-        path = os.fspath(path)
-        try:
-            fd = os.open(path, os.O_RDONLY)
-            try:
-                _no_read_ahead(fd)
-                stat = os.fstat(fd)
-                size = stat.st_size
-                head = os.pread(fd, 8, 0)
-                if len(head) == 8:
-                    head += os.pread(fd, min(struct.unpack("<Q", head)[0], MAX_HEADER_BYTES), 8)
-            finally:
-                os.close(fd)
-        except OSError as exc:
-            raise checkpoint_os_error(path, exc) from exc
-        header = parse_header(path, size, head)
-        # the modification time too: two copies with equal headers may hold other values
-        digest.update(f"{os.path.basename(path)}\0{size}\0{stat.st_mtime_ns}\0{len(head)}\0".encode() + head)
-        layouts.append(FileLayout(path, header, size, _cached(path)))
-    return layouts, digest.hexdigest()
-
-
-def _no_read_ahead(fd: int) -> None:
-    """Reads of `fd` fetch what they ask for: the kernel's read-ahead past a
-    header or a chunk would pull another node's bytes from the storage."""
-    if hasattr(os, "posix_fadvise"):
-        with contextlib.suppress(OSError):
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
-
-
-def _cached(path) -> float | None:
-    try:
-        return page_cache.resident_fraction(path)
-    except OSError:
-        return None
-
-
-def plan_chunks(layouts, nodes: int, chunk: int) -> list[Chunk]:
-    """The chunks in the order they are sent, each given to the node that has read the fewest bytes so far."""
-    chunks, assigned = [], [0] * nodes
-    for index, layout in enumerate(layouts):
-        for begin in range(0, layout.data_len, chunk):
-            end = min(begin + chunk, layout.data_len)
-            node = min(range(nodes), key=lambda n: (assigned[n], n))
-            assigned[node] += end - begin
-            chunks.append(Chunk(index, begin, end, node))
-    return chunks
-
-
-def _first_read_mb_s(layout: FileLayout) -> int:
-    """MB/s of this node's first read of `layout` (0: in the page cache, or not timed)."""
-    if not page_cache.is_cold(layout.cached):
-        return 0
-    rate = first_read_rate(layout.path)
-    return 0 if rate is None else max(1, int(rate / 1e6))
 
 
 def take_part_without_loading(state: int = job.NOT_ACCELERATED) -> None:
@@ -173,7 +91,7 @@ def start(files, report, cleanup) -> CooperativeRead | None:
                 cached = layouts[0].cached is not None and not page_cache.is_cold(layouts[0].cached)
                 statement = job.Statement(job.READY, digest, cached, job.probed())
         try:
-            agreement = job.settle(collectives, job.agree(collectives, statement), lambda: _first_read_mb_s(layouts[0]))
+            agreement = job.settle(collectives, job.agree(collectives, statement), lambda: first_read_mb_s(layouts[0]))
         except Exception as exc:  # noqa: BLE001 - the collective failed: read alone, as without a job
             report.cooperative = f"alone: the agreement over the job's collective failed ({_first_line(exc)})"
             _SESSION.release()
@@ -247,8 +165,6 @@ class CooperativeRead:
         self._root = None  # the rank sending the chunk being exchanged (None: all ranks' states)
         # the message sent or received: a chunk and the sender's state
         self._message = np.empty(max((c.end - c.begin + 3) // 4 for c in chunks) + 1 if chunks else 1, np.int32)
-        self._started = time.perf_counter()
-        self.seconds = 0.0
 
     # -- the load's side
 
@@ -285,8 +201,6 @@ class CooperativeRead:
             self._held -= 1
             self._cond.notify_all()
         if reads is not None:
-            from .prefetch import FileRead
-
             reads.append(FileRead(layout.path, layout.data_len, file.started, file.ended, layout.cached, 1))
         return arrays, layout.header.metadata, {}
 
@@ -298,10 +212,12 @@ class CooperativeRead:
                 self._abandoned = True
             self._draining = True
             self._cond.notify_all()
-        self._threads[0].join()
-        _loads_reading_with_job.discard(self._load_thread)
-        self._stop.set()
-        join_or_leave(self._threads[1:], self._stop, "the cooperative read")
+        try:
+            self._threads[0].join()
+        finally:
+            _loads_reading_with_job.discard(self._load_thread)
+            self._stop.set()
+            join_or_leave(self._threads[1:], self._stop, "the cooperative read")
         self.report.bytes_from_storage, self.report.bytes_received = self.read_bytes, self.received
         return False
 
@@ -362,7 +278,6 @@ class CooperativeRead:
                 "the load"
             )
         finally:
-            self.seconds = time.perf_counter() - self._started
             self._stop.set()
             for _ in range(AHEAD_CHUNKS):
                 self._ahead.release()
@@ -459,7 +374,7 @@ class CooperativeRead:
             fd = fds.get(chunk.file)
             if fd is None:
                 fd = fds[chunk.file] = os.open(layout.path, os.O_RDONLY)
-                _no_read_ahead(fd)
+                no_read_ahead(fd)
                 if os.fstat(fd).st_size != layout.size:
                     raise CheckpointError(layout.path, "the file changed since the job agreed on it")
         except CheckpointError:
@@ -488,12 +403,4 @@ class CooperativeRead:
         self.read_bytes += got
 
 
-__all__ = [
-    "CooperativeRead",
-    "Chunk",
-    "FileLayout",
-    "plan_chunks",
-    "read_layouts",
-    "start",
-    "take_part_without_loading",
-]
+__all__ = ["CooperativeRead", "start", "take_part_without_loading"]
