@@ -32,7 +32,7 @@ CHOICES = (AUTO, ON, OFF)
 NODE_ENV_VAR = "MS_LOADPATCH_NODE_ID"
 # The largest message the collective is asked to carry (MB), probed first
 CHUNK_ENV_VAR = "MS_LOADPATCH_COOPERATIVE_CHUNK_MB"
-DEFAULT_CHUNK_MB = 16
+DEFAULT_CHUNK_MB = 4
 # auto cooperates when the collective moves bytes this much faster than a node reads them
 AUTO_MARGIN = 1.25
 
