@@ -13,6 +13,8 @@ this package's, and are not listed.
 from __future__ import annotations
 
 LOCK_ORDER = (
+    # one cooperative schedule of a multi-node job at a time, from a load's start to its schedule's end
+    ("strategy.cooperative", "_SESSION"),
     # held across a build and across a whole build-then-fill call (re-entrant)
     ("strategy.building.lazy", "CONSTRUCTION_LOCK"),
     # the construction probes, asked for while a build holds the lock above
@@ -31,6 +33,8 @@ LOCK_ORDER = (
     ("eager_import_scan", "_eager_bound_lock"),
     ("fingerprints", "_checks._lock"),
     ("strategy.reports", "_handler_lock"),
+    # the job's collective probe, under the cooperative schedule's lock
+    ("strategy.job", "_probes._lock"),
 )
 
 

@@ -29,6 +29,7 @@ import numpy as np
 
 from ..activation import env_int
 from . import job, page_cache
+from .building.lazy import CONSTRUCTION_LOCK
 from .prefetch import FileRead
 from .ranks import node_share
 from .reader import arrays_in
@@ -73,8 +74,10 @@ def start(files, report, cleanup) -> CooperativeRead | None:
     this rank reads alone (the report says why)."""
     if job.job_size() is None:
         return None
-    if threading.get_ident() in _loads_reading_with_job:  # every rank nests alike: none enters a collective
-        report.cooperative = "alone: nested in a load that reads with the job"
+    # every rank nests alike, so none enters a collective here; and the session lock comes before
+    # CONSTRUCTION_LOCK (locks.LOCK_ORDER): never waited for under it
+    if threading.get_ident() in _loads_reading_with_job or CONSTRUCTION_LOCK._is_owned():
+        report.cooperative = "alone: nested in a load that reads with the job or builds"
         return None
     _SESSION.acquire()
     try:
