@@ -14,6 +14,8 @@ import os
 import subprocess
 import sys
 
+import numpy as np
+
 TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
 
 
@@ -158,3 +160,20 @@ def flux_cpu_routes():
         ):
             stack_.enter_context(wrapt.scoped_function_wrapper(owner, attribute, route))
         yield
+
+
+def npz_arrays(path) -> dict:
+    """name -> array of an .npz file (a rank's parameters)."""
+    with np.load(path) as data:
+        return {name: data[name] for name in data.files}
+
+
+def assert_same_arrays(expected, actual, what):
+    assert sorted(expected) == sorted(actual), f"{what}: parameter names differ"
+    differing = [
+        n
+        for n in expected
+        if expected[n].shape != actual[n].shape
+        or not np.array_equal(expected[n].view(np.uint32), actual[n].view(np.uint32))
+    ]
+    assert not differing, f"{what}: {len(differing)} parameters differ, e.g. {differing[:3]}"

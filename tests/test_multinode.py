@@ -27,7 +27,7 @@ from ms_loadpatch.strategy.shares import read_layouts
 from ms_loadpatch.tools import slow_storage
 from ms_loadpatch.tools.nodes import NodesJob
 
-from test_multirank import _arrays, _assert_same_arrays
+from _helpers import assert_same_arrays, npz_arrays
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 WORKER = os.path.join(HERE, "_msrun_worker.py")
@@ -143,8 +143,10 @@ def _assert_loaded(job, results, ranks, references):
         report = results[rank]["report"]
         assert report is not None, f"rank {rank}: the load was not accelerated"
         assert results[rank]["threads_after_load"] == [], results[rank]["threads_after_load"]
-        _assert_same_arrays(
-            _arrays(reference), _arrays(Path(job.directory) / "out" / f"rank{rank}-loaded.npz"), f"rank {rank} loaded"
+        assert_same_arrays(
+            npz_arrays(reference),
+            npz_arrays(Path(job.directory) / "out" / f"rank{rank}-loaded.npz"),
+            f"rank {rank} loaded",
         )
         assert results[rank]["random_state"] == json.loads(reference.with_suffix(".json").read_text()), (
             f"rank {rank}: the random state after the load differs from the unpatched load's"
@@ -211,7 +213,10 @@ def test_nodes_loading_other_checkpoints_each_read_alone(checkpoint, tmp_path_fa
     _assert_loaded(job, results, 2, [reference, other_reference])
     for rank in range(2):
         report = results[rank]["report"]
-        assert report["cooperative"] == "alone: rank 1 loads other files than rank 0 (names, sizes or headers differ)"
+        assert (
+            report["cooperative"]
+            == "alone: rank 1 loads other files than rank 0 (names, sizes, modification times or headers differ)"
+        )
         assert report["bytes_received"] is None
 
 
@@ -227,7 +232,9 @@ def test_a_rank_that_never_enters_the_agreement(checkpoint, tmp_path):
     assert results[1]["report"] is None and not results[1]["enabled"]
     assert results[0]["report"]["cooperative"].startswith("alone: the agreement over the job's collective failed")
     for rank in range(2):
-        _assert_same_arrays(_arrays(reference), _arrays(tmp_path / "out" / f"rank{rank}-loaded.npz"), f"rank {rank}")
+        assert_same_arrays(
+            npz_arrays(reference), npz_arrays(tmp_path / "out" / f"rank{rank}-loaded.npz"), f"rank {rank}"
+        )
 
 
 def _assert_failed_cleanly(job, failures, rank, *texts):

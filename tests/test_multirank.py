@@ -18,13 +18,12 @@ import socket
 import subprocess
 import sys
 
-import numpy as np
 import pytest
 
 from ms_loadpatch.strategy.ranks import NodeShare, available_cores
 from ms_loadpatch.strategy.threaded_read import read_threads
 
-from _helpers import installed_pth
+from _helpers import assert_same_arrays, installed_pth, npz_arrays
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 WORKER = os.path.join(HERE, "_msrun_worker.py")
@@ -113,22 +112,6 @@ def _assert_ok(directory, proc, results):
     )
 
 
-def _arrays(path):
-    with np.load(path) as data:
-        return {name: data[name] for name in data.files}
-
-
-def _assert_same_arrays(expected, actual, what):
-    assert sorted(expected) == sorted(actual), f"{what}: parameter names differ"
-    differing = [
-        n
-        for n in expected
-        if expected[n].shape != actual[n].shape
-        or not np.array_equal(expected[n].view(np.uint32), actual[n].view(np.uint32))
-    ]
-    assert not differing, f"{what}: {len(differing)} parameters differ, e.g. {differing[:3]}"
-
-
 @pytest.fixture(scope="module")
 def tiny_checkpoint(tmp_path_factory):
     """A tiny Qwen2 checkpoint, two shards (so reads go through the read-ahead)."""
@@ -177,9 +160,9 @@ def _assert_accelerated_in_every_rank(directory, results, reference_dir):
         assert report["rank"] == rank and report["local_ranks"] == RANKS, report
         assert report["read_threads"] == read_threads(_expected_share()), report
         assert result["threads_after_load"] == [], result["threads_after_load"]
-        _assert_same_arrays(
-            _arrays(reference_dir / "out" / f"rank{rank}-loaded.npz"),
-            _arrays(directory / "out" / f"rank{rank}-loaded.npz"),
+        assert_same_arrays(
+            npz_arrays(reference_dir / "out" / f"rank{rank}-loaded.npz"),
+            npz_arrays(directory / "out" / f"rank{rank}-loaded.npz"),
             f"rank {rank} loaded",
         )
 
@@ -219,9 +202,9 @@ def test_zero_training_identical_to_unpatched(zero_jobs, stage):
             assert stage != "2", f"ZeRO stage 2 did not run on rank {rank}: {expected['error']}"
             continue
         assert len(expected["losses"]) >= 2
-        _assert_same_arrays(
-            _arrays(reference_dir / "out" / f"rank{rank}-zero{stage}.npz"),
-            _arrays(directory / "out" / f"rank{rank}-zero{stage}.npz"),
+        assert_same_arrays(
+            npz_arrays(reference_dir / "out" / f"rank{rank}-zero{stage}.npz"),
+            npz_arrays(directory / "out" / f"rank{rank}-zero{stage}.npz"),
             f"rank {rank} after ZeRO-{stage} steps",
         )
 

@@ -12,11 +12,11 @@ import mindspore as ms
 
 from .. import core, fingerprints
 from ..calls import argument
+from ..strategy import cooperative
 from ..strategy.assign import cast_parameters
 from ..strategy.building import fast_construction
 from ..strategy.building.gc_pause import collection_paused
 from ..strategy.building.lazy import CONSTRUCTION_LOCK
-from ..strategy import cooperative
 from ..strategy.castread import CastPlan
 from ..strategy.load import Load
 from ..strategy.prefetch import CheckpointFiles, local_checkpoint_files

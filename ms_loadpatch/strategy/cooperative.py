@@ -59,24 +59,30 @@ _SESSION = threading.Lock()
 _loads_reading_with_job: set[int] = set()  # threads whose load reads with the job (until it ends)
 
 
+def _nested() -> bool:
+    """A load inside one that reads with the job, or inside a build: every
+    rank nests alike, so none enters a collective for it; and the session
+    lock comes before CONSTRUCTION_LOCK (locks.LOCK_ORDER), never under it."""
+    return threading.get_ident() in _loads_reading_with_job or CONSTRUCTION_LOCK._is_owned()
+
+
 def take_part_without_loading(state: int = job.NOT_ACCELERATED) -> None:
     """Enter the load's agreement saying this rank will not cooperate (its
     load falls back), so the job's other ranks do not wait for it."""
-    if job.job_size() is None:
+    if job.job_size() is None or _nested():
         return
     with _SESSION, contextlib.suppress(Exception):
         job.agree(job.Collectives(), job.Statement(state))
 
 
-def start(files, report, cleanup) -> CooperativeRead | None:
+def start(files, report, cleanup, failed) -> CooperativeRead | None:
     """In a multi-node job (job.job_size()): agree with every rank on `files`
-    and, where the job cooperates, start reading them together; None where
-    this rank reads alone (the report says why)."""
+    and, where the job cooperates, start reading them together, stopped by
+    `cleanup` (`failed()`: whether the load raised); None where this rank
+    reads alone (the report says why)."""
     if job.job_size() is None:
         return None
-    # every rank nests alike, so none enters a collective here; and the session lock comes before
-    # CONSTRUCTION_LOCK (locks.LOCK_ORDER): never waited for under it
-    if threading.get_ident() in _loads_reading_with_job or CONSTRUCTION_LOCK._is_owned():
+    if _nested():
         report.cooperative = "alone: nested in a load that reads with the job or builds"
         return None
     _SESSION.acquire()
@@ -111,7 +117,7 @@ def start(files, report, cleanup) -> CooperativeRead | None:
     except BaseException:
         _SESSION.release()
         raise
-    cleanup.push(read.exit)
+    cleanup.callback(read.exit, failed)
     _loads_reading_with_job.add(threading.get_ident())
     read.start()  # the session lock is released when its schedule ends
     return read
@@ -207,11 +213,11 @@ class CooperativeRead:
             reads.append(FileRead(layout.path, layout.data_len, file.started, file.ended, layout.cached, 1))
         return arrays, layout.header.metadata, {}
 
-    def exit(self, exc_type, exc, tb) -> bool:
-        """The load ended (`exc`: with an error): what remains of the schedule runs out without keeping data, or,
-        after an error, every rank is told at the next chunk; the threads joined."""
+    def exit(self, failed) -> None:
+        """The load ended (`failed()`: with an error): what remains of the schedule runs out without keeping data,
+        or, after an error, every rank is told at the next chunk; the threads joined."""
         with self._cond:
-            if exc is not None:
+            if failed():
                 self._abandoned = True
             self._draining = True
             self._cond.notify_all()
@@ -222,7 +228,6 @@ class CooperativeRead:
             self._stop.set()
             join_or_leave(self._threads[1:], self._stop, "the cooperative read")
         self.report.bytes_from_storage, self.report.bytes_received = self.read_bytes, self.received
-        return False
 
     # -- the schedule
 

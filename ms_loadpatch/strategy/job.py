@@ -192,7 +192,9 @@ def conclude(table: np.ndarray) -> Agreement:
             return agreement
     for rank, row in enumerate(table):
         if not np.array_equal(row[4:12], table[0][4:12]):
-            agreement.reason = f"rank {rank} loads other files than rank 0 (names, sizes or headers differ)"
+            agreement.reason = (
+                f"rank {rank} loads other files than rank 0 (names, sizes, modification times or headers differ)"
+            )
             return agreement
         if not np.array_equal(row[13:16], table[0][13:16]):
             agreement.reason = f"rank {rank} runs with other {ENV_VAR} settings than rank 0"

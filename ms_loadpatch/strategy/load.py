@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import sys
 import threading
 import time
 
@@ -71,6 +70,7 @@ class Load:
         self.keys_read: set[str] = set()  # every key read, checked against the index
         self.last_file: str | None = None  # the file read last, named in errors about its tensors
         self.done = False  # the library's loading path ran to its end
+        self.failed = False  # the load raised
 
     @classmethod
     def current(cls):
@@ -86,12 +86,15 @@ class Load:
         with _LOADS.entered(self):
             try:
                 yield self
+            except BaseException:
+                self.failed = True  # read by what the cleanup stops: a multi-node read tells the job
+                raise
             finally:
                 try:
                     self.close_construction()  # also on error: lock and no-init flag released
                 finally:
                     try:
-                        self.cleanup.__exit__(*sys.exc_info())  # callbacks pushed with exit learn of an error
+                        self.cleanup.close()
                     finally:
                         self.report.total = time.perf_counter() - start
         reports.emit(self.report)
@@ -101,7 +104,7 @@ class Load:
         self.cast_plan = cast_plan
         self.listed_tensors = files.listed_tensors
         # in a multi-node job, read together with the other nodes where they agree; else ahead, alone
-        self.prefetcher = cooperative.start(files, self.report, self.cleanup) or start_prefetch(
+        self.prefetcher = cooperative.start(files, self.report, self.cleanup, lambda: self.failed) or start_prefetch(
             files, self.report, self.cleanup, cast_plan, progress_bars
         )
 
