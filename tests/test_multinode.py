@@ -300,14 +300,17 @@ def test_a_rank_whose_load_fails_mid_load(checkpoint, tmp_path):
     config = json.loads((model / "config.json").read_text())
     config["rope_scaling"] = {"rope_type": "no-such-rope", "factor": 2.0}
     (other / "config.json").write_text(json.dumps(config))
-    settings = slow_storage.StorageSettings(latency_ms=2.0, total_mb_s=8.0)
+    settings = slow_storage.StorageSettings(latency_ms=2.0, total_mb_s=2.0)  # the schedule outlasts the build
     with slow_storage.SlowStorage(model, settings, mounts=2) as storage:
         os.symlink(storage.mountpoints[0], tmp_path / "node0")
         for name in os.listdir(storage.mountpoints[1]):
             if name != "config.json":
                 os.symlink(os.path.join(storage.mountpoints[1], name), other / name)
         os.symlink(other, tmp_path / "node1")
-        job, results, failures = run_nodes(tmp_path, 2, 1, tmp_path / "{node}", COOPERATE)
+        # 1 MB messages: a chunk read in flight ends within the load's grace for its reader threads
+        job, results, failures = run_nodes(
+            tmp_path, 2, 1, tmp_path / "{node}", {**COOPERATE, "MS_LOADPATCH_COOPERATIVE_CHUNK_MB": "1"}
+        )
     assert not results, "a rank returned a model although rank 1's load failed"
     _assert_failed_cleanly(job, failures, 1, "no-such-rope")
     _assert_failed_cleanly(job, failures, 0, "rank(s) 1 of the job abandoned the load")

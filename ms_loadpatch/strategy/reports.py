@@ -151,7 +151,7 @@ class LoadReport:
                     f": {self.bytes_from_storage / 1e6:.1f} MB from storage, {self.bytes_received / 1e6:.1f} MB "
                     f"received, staging up to {self.staging_bytes / 1e6:.0f} MB"
                 )
-        return f" ({rank}{self.local_ranks} rank(s) on this node{job})"
+        return f" ({rank}{self.local_ranks} rank(s) on this node){job}"
 
 
 def cast_detail(while_reading: int, read_again: int) -> str:
