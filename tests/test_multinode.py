@@ -278,11 +278,14 @@ def test_a_rank_killed_mid_load(checkpoint, tmp_path):
             time.sleep(0.05)
         pytest.fail("the job never got far enough to kill rank 1")
 
+    # mindspore's cluster ends a job whose node stops beating after MS_NODE_TIMEOUT (about as long as the
+    # collective's own timeout): raised here, so that what rank 0 meets is the collective's error
+    env = {**COOPERATE, "MS_NODE_TIMEOUT": "60"}
     with slow_storage.SlowStorage(model, settings, mounts=2) as storage:
         for node in range(2):
             os.symlink(storage.mountpoints[node], tmp_path / f"node{node}")
         job, results, failures = run_nodes(
-            tmp_path, 2, 1, tmp_path / "{node}", COOPERATE, while_running=kill_rank_1_once_reading
+            tmp_path, 2, 1, tmp_path / "{node}", env, while_running=kill_rank_1_once_reading
         )
     assert 0 not in results, "rank 0 returned a model although rank 1 died mid-load"
     _assert_failed_cleanly(job, failures, 0, "with rank(s) 1")

@@ -39,7 +39,6 @@ from .threaded_read import (
     COLD_READ_THREADS,
     COLD_READ_THREADS_ENV_VAR,
     ReadPlan,
-    ReadStopped,
     data_buffer,
     join_or_leave,
     read_into,
@@ -378,17 +377,16 @@ class CooperativeRead:
 
     def _read_chunk(self, chunk: Chunk, fds: dict) -> None:
         layout = self.layouts[chunk.file]
-        try:
-            fd = fds.get(chunk.file)
-            if fd is None:
+        fd = fds.get(chunk.file)
+        if fd is None:
+            try:
                 fd = fds[chunk.file] = os.open(layout.path, os.O_RDONLY)
-                no_read_ahead(fd)
-                if os.fstat(fd).st_size != layout.size:
-                    raise CheckpointError(layout.path, "the file changed since the job agreed on it")
-        except CheckpointError:
-            raise
-        except OSError as exc:
-            raise checkpoint_os_error(layout.path, exc) from exc
+                size = os.fstat(fd).st_size
+            except OSError as exc:
+                raise checkpoint_os_error(layout.path, exc) from exc
+            no_read_ahead(fd)
+            if size != layout.size:
+                raise CheckpointError(layout.path, "the file changed since the job agreed on it")
         view = self._buffer(chunk.file)[chunk.begin : chunk.end]
         threads = (
             (env_int(COLD_READ_THREADS_ENV_VAR) or COLD_READ_THREADS) if page_cache.is_cold(layout.cached) else None
@@ -398,8 +396,6 @@ class CooperativeRead:
             got = read_into(
                 fd, view, layout.header.data_start + chunk.begin, plan, self._stop, f"the read of {layout.path}"
             )
-        except ReadStopped:
-            raise
         except CheckpointError:
             raise
         except OSError as exc:
