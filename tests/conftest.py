@@ -3,6 +3,7 @@ at import, before any test module imports mindone). Helpers that test
 modules import by name are in _helpers.py."""
 
 import os
+import signal
 
 import pytest
 
@@ -40,3 +41,15 @@ def plugin_enabled():
 
     with ms_loadpatch.enabled():
         yield
+
+
+@pytest.fixture
+def ctrl_c_raises():
+    """Python's own SIGINT handler (KeyboardInterrupt) for the test: a
+    process started in the background by a non-interactive shell inherits
+    SIGINT ignored, and `_thread.interrupt_main` then does nothing."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)

@@ -36,18 +36,6 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 pytestmark = pytest.mark.usefixtures("cpu_kernels", "plugin_enabled", "ctrl_c_raises")
 
 
-@pytest.fixture
-def ctrl_c_raises():
-    """Python's own SIGINT handler (KeyboardInterrupt) for the test: a
-    process started in the background by a non-interactive shell inherits
-    SIGINT ignored, and `_thread.interrupt_main` then does nothing."""
-    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGINT, previous)
-
-
 LIBRARIES = ["tf", "df"]
 LAYOUTS = ["single", "sharded"]
 

@@ -154,7 +154,7 @@ def test_storage_failing_mid_load_names_the_file_and_leaves_nothing_behind(check
         assert raised.value.path.startswith(storage.mountpoint) and raised.value.path in str(raised.value)
 
 
-def test_interrupt_while_the_storage_stops_answering(checkpoint):
+def test_interrupt_while_the_storage_stops_answering(checkpoint, ctrl_c_raises):
     """Once the config is read, no read request returns: Ctrl-C ends the
     load, the readers blocked on the storage are left to end, and the mount goes."""
     stalling = StorageSettings(latency_ms=1.0, stall_after_bytes=_metadata_bytes(checkpoint))
