@@ -141,7 +141,7 @@ def main(argv=None) -> int:
         spec = bench.LoadSpec.resolve(where, single_file=single_file)
         files = spec.weight_files()
         size = spec.checkpoint_bytes()
-        prime = bench.prime_bytes(spec, args.memory)
+        prime = bench.prime_bytes(spec, args.memory, cold=True)
         described = (
             f"FUSE, {args.latency_ms:g} ms per request, {args.stream_mb_s:g} MB/s per stream, "
             f"{args.total_mb_s:g} MB/s in all"

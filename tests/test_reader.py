@@ -237,3 +237,108 @@ def test_a_read_outside_a_load_takes_the_cold_plan_at_once(tmp_path, monkeypatch
         arrays, _metadata, _cast = prefetch.read_file(path)
         assert {k: np.asarray(v).tolist() for k, v in arrays.items()} == {k: v.tolist() for k, v in tensors.items()}
     assert plans[0] == threaded_read.cold_read_plan() and not plans[1].cold, plans
+
+
+def test_narrowed_read_widens_mid_file(tmp_path, monkeypatch):
+    """A read that starts narrowed (the caller busy building) reads with its
+    narrowed count, in file order; once widened (the caller waits for it),
+    the other threads take the runs not yet started, in the same file read,
+    and the bytes are the file's."""
+    import threading
+    import time
+
+    data = np.random.default_rng(1).integers(0, 256, size=8 << 20, dtype=np.uint8)
+    path = tmp_path / "blob"
+    data.tofile(path)
+    monkeypatch.setattr(threaded_read, "_ALIGN", 1 << 20)
+    widened = threading.Event()
+    plan = threaded_read.ReadPlan(4, split_from=0, narrowed=threaded_read.Narrowed(1, widened))
+    assert plan.threads_now() == 1
+    reads, running, most_running = [], [0], [0]
+    lock = threading.Lock()
+    real = threaded_read._pread_into
+
+    def pread(fd, view, offset, *rest):
+        with lock:
+            reads.append((offset, threading.current_thread().name, widened.is_set()))
+            running[0] += 1
+            most_running[0] = max(most_running[0], running[0])
+        try:
+            if len(reads) == 2:  # the narrowed thread's second run: the caller now waits
+                widened.set()
+            time.sleep(0.2)  # long enough for the joining threads to take the runs left
+            return real(fd, view, offset, *rest)
+        finally:
+            with lock:
+                running[0] -= 1
+
+    monkeypatch.setattr(threaded_read, "_pread_into", pread)
+    buffer = np.empty_like(data)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        assert threaded_read.read_into(fd, buffer, 0, plan) == len(data)
+    finally:
+        os.close(fd)
+    assert np.array_equal(buffer, data)
+    assert plan.threads_now() == 4
+    offsets = [offset for offset, _, _ in reads]
+    assert sorted(offsets) == [0, 2 << 20, 4 << 20, 6 << 20]  # one run per thread of the widened plan
+    before = [(offset, name) for offset, name, was_widened in reads if not was_widened]
+    assert [offset for offset, _ in before] == [0, 2 << 20]  # narrowed: one thread, in file order
+    assert len({name for _, name in before}) == 1
+    later_threads = {name for offset, name, _ in reads if offset >= 4 << 20}
+    assert later_threads - {before[0][1]}, "no thread joined the read once it was widened"
+    assert most_running[0] >= 2
+
+
+def test_narrowed_read_never_widened_is_finished_by_its_own_threads(tmp_path, monkeypatch):
+    """The joining threads give up once every run is taken: a read the
+    caller never waits for still ends, with every byte, on the narrowed count."""
+    import threading
+
+    data = np.random.default_rng(2).integers(0, 256, size=6 << 20, dtype=np.uint8)
+    path = tmp_path / "blob"
+    data.tofile(path)
+    monkeypatch.setattr(threaded_read, "_ALIGN", 1 << 20)
+    names = []
+    real = threaded_read._pread_into
+    monkeypatch.setattr(
+        threaded_read,
+        "_pread_into",
+        lambda fd, view, offset, *rest: names.append(threading.current_thread().name) or real(fd, view, offset, *rest),
+    )
+    plan = threaded_read.ReadPlan(3, split_from=0, narrowed=threaded_read.Narrowed(1, threading.Event()))
+    buffer = np.empty_like(data)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        assert threaded_read.read_into(fd, buffer, 0, plan) == len(data)
+    finally:
+        os.close(fd)
+    assert np.array_equal(buffer, data) and len(names) == 3 and len(set(names)) == 1
+
+
+def test_timed_read_narrows_what_takes_cores_not_what_waits_on_storage(tmp_path, monkeypatch):
+    """A read beside the build is narrowed when its threads take cores (a
+    file in the page cache, or cold on fast storage); the cold plan of slow
+    storage keeps every thread from the start: they wait, taking none."""
+    import threading
+
+    from ms_loadpatch.strategy import prefetch
+
+    path = tmp_path / "blob"
+    path.write_bytes(bytes(2 * threaded_read.PROBE_BYTES))
+    monkeypatch.setenv("MS_LOADPATCH_LOCAL_RANKS", "1")
+    plans = []
+    monkeypatch.setattr(prefetch, "read_file", lambda p, cast_plan, plan, *rest: plans.append(plan) or ({}, {}, {}))
+    narrowed = threaded_read.Narrowed(1, threading.Event())
+    for cached, rate in ((1.0, None), (0.0, threaded_read.SLOW_STREAM_BYTES_PER_S * 2), (0.0, 1e6)):
+        monkeypatch.setattr(prefetch, "_cached_share", lambda p, cached=cached: cached)
+        monkeypatch.setattr(prefetch, "first_read_rate", lambda p, rate=rate: rate)
+        prefetch.timed_read(path, threads=4, narrowed=narrowed)
+    warm, fast_cold, slow_cold = plans
+    assert warm.narrowed is narrowed and warm.threads_now() == 1 and not warm.waits
+    assert fast_cold.cold and fast_cold.narrowed is narrowed and fast_cold.threads_now() == 1
+    assert slow_cold.waits and slow_cold.narrowed is None
+    assert slow_cold.threads_now() == slow_cold.threads == threaded_read.cold_read_plan().threads
+    narrowed.widened.set()
+    assert warm.threads_now() == fast_cold.threads_now() == 4

@@ -116,6 +116,10 @@ def test_bench_without_path_generates_and_times_tiny_default(cache, tmp_path):
     assert ttm["patched"]["lazy_import"] is True and ttm["unpatched"]["lazy_import"] is False
     assert re.search(r"total +[\d.]+ s +[\d.]+ s +[\d.]+x (faster|slower)", proc.stdout), proc.stdout
     assert "time to model: a fresh process from interpreter start" in proc.stdout
+    # the plain script's read beside the bench child's (their agreement is tested at a readable size below)
+    plain = results["plain_script"]
+    assert len(plain["script_cold_files"]) == len(plain["bench_cold_files"]) == results["repeats"]
+    assert "plain script: read" in proc.stdout
 
 
 def test_cold_floors_evict_and_read_every_byte(tmp_path, monkeypatch):
@@ -135,13 +139,28 @@ def test_cold_floors_evict_and_read_every_byte(tmp_path, monkeypatch):
     assert cold.sequential_read(files) > 0 and cold.resident_share(files) == 1.0
     assert cold.evict(files) == 0.0
     assert cold.parallel_read(files, threads=3, request=1 << 20) > 0 and cold.resident_share(files) == 1.0
-    floors = cold.storage_floors(files)
-    assert floors["resident_after_evict"] == 0.0 and floors["sequential_seconds"] > 0 < floors["parallel_seconds"]
+    assert cold.evict(files) == 0.0
+    assert cold.parallel_read(files, threads=3, request=1 << 20, fresh=True) > 0 and cold.resident_share(files) == 1.0
+    floor = cold.sequential_floor(files)
+    assert floor["resident_after_evict"] == 0.0 and floor["sequential_seconds"] > 0
     # a file shorter than the parts planned from its size (it shrank): a clear error naming it, no hang
     real_size = os.path.getsize
     monkeypatch.setattr(os.path, "getsize", lambda p: real_size(p) + (2 << 20) if p == files[0] else real_size(p))
     with pytest.raises(OSError, match="part-0.bin"):
         cold.parallel_read(files[:1], threads=2, request=1 << 20)
+    monkeypatch.undo()
+    # into fresh memory: a buffer per file, every byte where the file has it
+    targets = {}
+    real_read_at = cold._read_at
+
+    def read_at(fd, view, offset):
+        targets[id(view.obj)] = view.obj
+        return real_read_at(fd, view, offset)
+
+    monkeypatch.setattr(cold, "_read_at", read_at)
+    cold.parallel_read(files, threads=2, request=1 << 20, fresh=True)
+    contents = sorted(bytes(buffer) for buffer in targets.values())
+    assert contents == sorted(open(f, "rb").read() for f in files if os.path.getsize(f))
 
 
 def test_bench_cold_evicts_before_each_part(cache, tmp_path):
@@ -150,9 +169,11 @@ def test_bench_cold_evicts_before_each_part(cache, tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     results = json.loads(out.read_text())
     cold = results["cold"]
-    assert cold["storage_floors"]["sequential_seconds"] > 0 and cold["storage_floors"]["parallel_seconds"] > 0
-    assert cold["storage_floors"]["parallel_threads"] == 8
+    storage = cold["storage_floors"]
+    assert storage["sequential_seconds"] > 0 and storage["parallel_seconds"] > 0
+    assert storage["parallel_threads"] == 8 and len(storage["parallel_runs"]) == 1
     assert "cache       cold" in proc.stdout and "storage, cold: sequential read" in proc.stdout
+    assert "into fresh memory" in proc.stdout
     if cold["resident_after_evict"] is not None:
         assert cold["resident_after_evict"] == 0.0 or "stayed cached" in proc.stdout
     # (the tiny file is read ahead whole with its header, before the load reads it: not a cold read here)
@@ -490,3 +511,62 @@ def test_example_regression_test_passes(pytester, mindone_imported):
         os.path.join(EXAMPLES, "test_my_model_regression.py"), "-p", "no:cacheprovider"
     )
     result.assert_outcomes(passed=3)
+
+
+def _run(rate_mb_s, cold_files, files=2):
+    seconds = 1.0
+    return {
+        "report": {
+            "bytes_read": int(rate_mb_s * 2**20 * seconds),
+            "read_seconds": seconds,
+            "files_read": [{"cold": i < cold_files} for i in range(files)],
+        }
+    }
+
+
+def test_plain_script_agreement_sees_a_difference():
+    """The rule the bench's line and the test below use: the same count of
+    cold files in every run, and read rates whose widened ranges overlap."""
+    agree = bench.plain_script_agreement([_run(900, 2), _run(1100, 2)], [_run(1000, 2), _run(1300, 2)])
+    assert agree["agree"] and agree["bench_cold_files"] == [2, 2] and agree["files"] == 2
+    slower = bench.plain_script_agreement([_run(2500, 2), _run(2700, 2)], [_run(800, 2), _run(950, 2)])
+    assert not slower["agree"] and "read rate" in slower["problems"][0]
+    fewer_cold = bench.plain_script_agreement([_run(1000, 0), _run(1000, 0)], [_run(1000, 2), _run(1000, 2)])
+    assert not fewer_cold["agree"] and "files read cold" in fewer_cold["problems"][0]
+
+
+def test_bench_child_reads_as_a_plain_script_does(cache, tmp_path, cpu_kernels):
+    """The bench's load child and a plain user's script (the time-to-model
+    child: `import ms_loadpatch`, then from_pretrained), patched, on the same
+    checkpoint evicted before each, in turns: every file read cold by both,
+    and their read rates within each other's spread."""
+    import mindone.transformers as mt
+    import transformers as hf
+
+    from ms_loadpatch.testing import write_random_checkpoint
+    from ms_loadpatch.tools import cold
+
+    config = hf.Qwen2Config(
+        vocab_size=16384,
+        hidden_size=1024,
+        num_hidden_layers=1,
+        num_attention_heads=8,
+        num_key_value_heads=8,
+        intermediate_size=1024,
+        tie_word_embeddings=False,
+    )
+    directory = write_random_checkpoint(mt.Qwen2ForCausalLM, config, str(tmp_path / "qwen2"), max_shard_bytes=80 << 20)
+    spec = bench.LoadSpec.resolve(directory, class_name="Qwen2ForCausalLM")
+    files = spec.weight_files()
+    if cold.evict(files) != 0.0:
+        pytest.skip("this filesystem keeps the pages (or has no mincore): nothing is read cold")
+    bench_runs, script_runs = [], []
+    for _ in range(2):
+        cold.evict(files)
+        bench_runs.append(bench.measure_load(spec, "patched"))
+        cold.evict(files)
+        script_runs.append(bench.measure_time_to_model(spec, "patched"))
+    agreement = bench.plain_script_agreement(bench_runs, script_runs)
+    assert agreement["files"] == len(files) >= 2
+    assert agreement["script_cold_files"] == [len(files)] * 2, agreement
+    assert agreement["agree"], agreement

@@ -374,7 +374,7 @@ def read_cast(path, plan: CastPlan, threads: ReadPlan | int | None = None, stop=
         out_item = plan.target_numpy.itemsize
         run_offsets, out_total = _offsets([(end - begin) // dtype.itemsize * out_item for dtype, begin, end, _ in runs])
         kept_buffer, out = data_buffer(path, kept_total), data_buffer(path, out_total)
-        _fault_in(out, min(threads.threads, read_threads()), stop)  # faults take cores, not waits
+        _fault_in(out, min(threads.threads_now(), read_threads()), stop)  # faults take cores, not waits
         fd, short = f.fileno(), None
         for (begin, end), offset in zip(kept_ranges, kept_offsets):
             got = read_into(

@@ -25,6 +25,7 @@ from .castread import Staging, read_cast
 from .reader import read_arrays
 from .threaded_read import (
     SLOW_STREAM_BYTES_PER_S,
+    Narrowed,
     ReadPlan,
     ReadStopped,
     as_plan,
@@ -91,9 +92,10 @@ def read_plan(path, cached: float | None, threads=None, alone=False) -> ReadPlan
     """How to read `path`, `cached` its share in the page cache: in the page
     cache, with `threads` (a count, None for read_threads()); cold, timed by
     its first read: on slow storage the cold plan (many requests in flight),
-    on fast storage `threads` as warm (more would take cores from the build).
-    `alone`: nothing runs beside the read, so a cold file gets the cold plan
-    without the timed first read, which no other request would overlap."""
+    on fast storage `threads` as warm (more take cores from the build and,
+    measured, read no faster once it is done). `alone`: nothing runs beside
+    the read, so a cold file gets the cold plan without the timed first
+    read, which no other request would overlap."""
     if not page_cache.is_cold(cached):
         return as_plan(threads)
     if alone:
@@ -104,15 +106,19 @@ def read_plan(path, cached: float | None, threads=None, alone=False) -> ReadPlan
     return cold_read_plan()
 
 
-def timed_read(path, cast_plan=None, threads=None, stop=None, staging=None, progress=None):
+def timed_read(path, cast_plan=None, threads=None, stop=None, staging=None, progress=None, narrowed=None):
     """(read_file's result, FileRead) for `path`: read with `threads` (a
     thread count, None for read_threads()) when it is in the page cache, with
     the cold plan (many requests in flight) when it is mostly not; the bytes
-    told to `progress` (a progress.ReadProgress) as they arrive."""
+    told to `progress` (a progress.ReadProgress) as they arrive. `narrowed`
+    (threaded_read.Narrowed): fewer threads while the caller is busy, unless
+    they mostly wait on slow storage."""
     cached = _cached_share(path)
     started = time.perf_counter()
     counter = progress.file() if progress is not None else None
     plan = dataclasses.replace(read_plan(path, cached, threads), progress=counter)
+    if narrowed is not None and plan.threads > narrowed.threads and not plan.waits:
+        plan = dataclasses.replace(plan, narrowed=narrowed)
     result = read_file(path, cast_plan, plan, stop, staging)
     size = os.path.getsize(path)
     if counter is not None:
@@ -146,8 +152,9 @@ class Prefetcher:
         self._slots = threading.Semaphore(ahead if ahead is not None else workers + 1)
         self._stop = threading.Event()
         # Until the caller first waits for a file it is busy (building the
-        # model, the critical path): reads leave it a core. Then they use all.
-        self._caller_busy = True
+        # model, the critical path): reads leave it a core. Then they use all,
+        # the read under way included.
+        self._narrowed = Narrowed(background_read_threads(), threading.Event())
         self._pending = {path: _Pending() for path in self._paths}
         self._queue = list(self._paths)
         self._queue_lock = threading.Lock()
@@ -185,9 +192,9 @@ class Prefetcher:
                 return
             try:
                 # a single file is all the load waits for: its read gets every thread from the start
-                threads = background_read_threads() if self._caller_busy and len(self._paths) > 1 else None
+                narrowed = self._narrowed if len(self._paths) > 1 else None
                 pending.value, pending.read = timed_read(
-                    path, self._cast_plan, threads, self._stop, staging, self.progress
+                    path, self._cast_plan, None, self._stop, staging, self.progress, narrowed
                 )
             except BaseException as exc:  # noqa: BLE001 - raised in the caller by take()
                 pending.error = exc
@@ -203,7 +210,7 @@ class Prefetcher:
         was not prefetched or its read has not started (the caller reads it
         then). Its FileRead is appended to `reads`. A read error is raised
         here, where a sequential read would have raised it."""
-        self._caller_busy = False
+        self._narrowed.widened.set()
         path = os.path.normpath(os.fspath(path))
         with self._queue_lock:
             pending = self._pending.pop(path, None)

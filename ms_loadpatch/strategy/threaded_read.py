@@ -43,21 +43,40 @@ def background_read_threads(share: NodeShare | None = None) -> int:
 
 
 @dataclass(frozen=True)
+class Narrowed:
+    """Fewer threads until `widened` (an Event) is set: `threads` read while
+    the caller is busy with other work (the build), every thread once it waits."""
+
+    threads: int
+    widened: threading.Event
+
+
+@dataclass(frozen=True)
 class ReadPlan:
     """How one file's data is read: by up to `threads` threads, a read of
     `split_from` bytes (default PARALLEL_READ_MIN_BYTES) or more split among
     them; `cold` for a file mostly not in the page cache; `direct`: with
-    O_DIRECT where the filesystem allows it."""
+    O_DIRECT where the filesystem allows it; `waits`: its threads mostly
+    wait on slow storage, taking no cores from other work; `narrowed`: fewer
+    threads until the caller waits for the read."""
 
     threads: int
     split_from: int | None = None
     cold: bool = False
     direct: bool = False
     progress: object = None  # an object whose add(nbytes) is called as bytes arrive (progress.ReadProgress)
+    waits: bool = False
+    narrowed: Narrowed | None = None
 
     def splits(self, nbytes: int) -> bool:
         """Whether a read of `nbytes` is split among the threads."""
         return self.threads > 1 and nbytes >= (PARALLEL_READ_MIN_BYTES if self.split_from is None else self.split_from)
+
+    def threads_now(self) -> int:
+        """The threads reading at this moment."""
+        if self.narrowed is not None and not self.narrowed.widened.is_set():
+            return min(self.threads, self.narrowed.threads)
+        return self.threads
 
 
 COLD_READ_THREADS_ENV_VAR = "MS_LOADPATCH_COLD_READ_THREADS"
@@ -80,7 +99,11 @@ def cold_read_plan(share: NodeShare | None = None, threads: int | None = None) -
     if threads is not None:
         return ReadPlan(threads, cold=True, direct=direct)
     return ReadPlan(
-        share.divide(env_int(COLD_READ_THREADS_ENV_VAR) or COLD_READ_THREADS), COLD_SPLIT_FROM, cold=True, direct=direct
+        share.divide(env_int(COLD_READ_THREADS_ENV_VAR) or COLD_READ_THREADS),
+        COLD_SPLIT_FROM,
+        cold=True,
+        direct=direct,
+        waits=True,
     )
 
 
@@ -224,54 +247,82 @@ def read_into(
     across threads (read_parts) for large reads (`threads`: a ReadPlan or a
     thread count); the count read. `stop` (an Event) ends it early with
     ReadStopped."""
-    view = memoryview(buffer).cast("B")
-    plan = as_plan(threads)
-    threads = plan.threads
-    if not hasattr(os, "preadv") or not plan.splits(len(view)):
-        bounds = [(0, len(view))]
-    else:
-        share = -(-len(view) // threads)
-        step = -(-share // _ALIGN) * _ALIGN  # at least a share: each chunk a run (a thread) of its own
-        bounds = [(lo, min(lo + step, len(view))) for lo in range(0, len(view), step)]
-    counts = read_parts(fd, [(view[lo:hi], offset + lo) for lo, hi in bounds], plan, stop, what)
-    for (lo, hi), count in zip(bounds, counts):
-        if count != hi - lo:  # a short chunk: the file ends inside it
-            return lo + count
-    return len(view)
+    (count,) = read_parts(fd, [(buffer, offset)], threads, stop, what)
+    return count
+
+
+# How often a thread waiting to join a narrowed read looks whether it is still needed.
+WIDEN_POLL_SECONDS = 0.05
+
+
+def _runs(views, threads: int) -> list[list[tuple[int, memoryview, int]]]:
+    """`views` cut into about `threads` runs of consecutive bytes, in file
+    order; each run a list of (part index, piece, file offset). A thread
+    reads one run from start to end (measured: the same file read in parts
+    of 16-64 MB handed out in turn is slower cold; the kernel reads ahead
+    within a run)."""
+    share = -(-sum(len(view) for view, _ in views) // threads)
+    size = max(_ALIGN, -(-share // _ALIGN) * _ALIGN)
+    runs, run, run_bytes = [], [], 0
+    for index, (view, offset) in enumerate(views):
+        for lo in range(0, len(view), size):
+            piece = view[lo : lo + size]
+            run.append((index, piece, offset + lo))
+            run_bytes += len(piece)
+            if run_bytes >= share:
+                runs.append(run)
+                run, run_bytes = [], 0
+    if run:
+        runs.append(run)
+    return runs
 
 
 def read_parts(fd: int, parts, threads: ReadPlan | int | None = None, stop=None, what="a read") -> list:
-    """Read each (byte buffer, file offset) of `parts` in full, the parts
-    split across threads in runs of about equal bytes (`threads`: a ReadPlan
-    or a thread count); the count read into each. `stop` (an Event) ends it
-    early with ReadStopped."""
+    """Read each (byte buffer, file offset) of `parts` in full, cut into
+    runs (_runs) that up to `threads` threads take in file order from one
+    queue (`threads`: a ReadPlan or a thread count; a narrowed plan's other
+    threads start when it is widened); the count read into each part.
+    `stop` (an Event) ends it early with ReadStopped."""
     plan = as_plan(threads)
-    threads = plan.threads
     views = [(memoryview(buffer).cast("B"), offset) for buffer, offset in parts]
     if not hasattr(os, "preadv"):
         return [_seek_read_into(fd, view, offset, stop, plan.progress) for view, offset in views]
-    total = sum(len(view) for view, _ in views)
-    if not plan.splits(total):
+    if not plan.splits(sum(len(view) for view, _ in views)):
         return [_pread_into(fd, view, offset, stop, plan.progress) for view, offset in views]
-    runs, run, size, share = [], [], 0, -(-total // threads)
-    for index, (view, _offset) in enumerate(views):
-        run.append(index)
-        size += len(view)
-        if size >= share:
-            runs.append(run)
-            run, size = [], 0
-    if run:
-        runs.append(run)
-    run_stop = threading.Event()
     if stop is not None and stop.is_set():
         raise ReadStopped()
+    runs = _runs(views, plan.threads)
+    got = {}  # (part index, piece offset) -> bytes read
+    taken = [0]  # runs handed out so far
+    taken_lock = threading.Lock()
+    run_stop = threading.Event()
+    either = _Either(stop, run_stop)
 
-    def read_run(indices):
-        either = _Either(stop, run_stop)
-        return [_pread_into(fd, views[i][0], views[i][1], either, plan.progress) for i in indices]
+    def read_runs(late: bool):
+        if late:  # a thread of the widened plan: from when the caller waits, if runs are left
+            while not plan.narrowed.widened.wait(WIDEN_POLL_SECONDS):
+                if either.is_set() or taken[0] >= len(runs):
+                    return
+        while True:
+            with taken_lock:
+                index = taken[0]
+                taken[0] += 1
+            if index >= len(runs):
+                return
+            for part, piece, offset in runs[index]:
+                got[part, offset] = _pread_into(fd, piece, offset, either, plan.progress)
 
-    counts = run_in_threads([lambda r=r: read_run(r) for r in runs], "ms_loadpatch-read-part", run_stop, what)
-    return [count for run_counts in counts for count in run_counts]
+    count = min(plan.threads, len(runs))
+    early = min(count, plan.threads_now())
+    run_in_threads([lambda k=k: read_runs(k >= early) for k in range(count)], "ms_loadpatch-read-part", run_stop, what)
+    counts = [0] * len(views)
+    short = set()
+    for part, piece, offset in (entry for run in runs for entry in run):
+        if part not in short:
+            counts[part] += got[part, offset]
+            if got[part, offset] != len(piece):  # the file ends inside this piece: nothing after it counts
+                short.add(part)
+    return counts
 
 
 class _Either:

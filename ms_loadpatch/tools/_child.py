@@ -218,13 +218,13 @@ def _task_floors(task: dict) -> dict:
     prime = task.get("prime_bytes", 0)
     prime_memory(prime)
     start = time.perf_counter()
-    total = 0
-    for path in files:  # into fresh memory, as a loader does: page faults included
-        buffer = np.empty(os.path.getsize(path), dtype=np.uint8)
+    total, buffers = 0, []
+    for path in files:  # into fresh memory, held to the end as a loader holds it: page faults included
+        buffers.append(np.empty(os.path.getsize(path), dtype=np.uint8))
         with open(path, "rb", buffering=0) as f:
-            total += read_into(f.fileno(), buffer, 0)  # as fast as this machine reads: all cores
-        del buffer
+            total += read_into(f.fileno(), buffers[-1], 0)  # as fast as this machine reads: all cores
     read_seconds = time.perf_counter() - start
+    del buffers
 
     from mindspore.nn.utils import no_init_parameters
 
@@ -300,7 +300,17 @@ def _task_generate(task: dict) -> dict:
     return {"out": task["out"], "library": library}
 
 
-TASKS = {"load": _task_load, "floors": _task_floors, "generate": _task_generate}
+def _task_storage(task: dict) -> dict:
+    """The storage's parallel read of the checkpoint into fresh memory, in a
+    process primed as the loads are (the parent evicted the files, if cold)."""
+    from . import cold
+
+    ms_loadpatch.disable()
+    prime_memory(task.get("prime_bytes", 0))
+    return {"seconds": cold.parallel_read(task["paths"], fresh=True), "threads": cold.PARALLEL_THREADS}
+
+
+TASKS = {"load": _task_load, "floors": _task_floors, "generate": _task_generate, "storage": _task_storage}
 
 
 def main() -> None:

@@ -35,6 +35,7 @@ from .children import (  # noqa: F401 - the harness's API for scripts: bench.X
     load_task,
     measure_floors,
     measure_load,
+    measure_storage,
     measure_time_to_model,
     prime_bytes,
     run_child,
@@ -71,7 +72,7 @@ def run_bench(
         raise UsageError("--repeats must be at least 1")
     from . import cold as cold_runs  # numpy, mincore: only for a run
 
-    prime = prime_bytes(spec, memory)
+    prime = prime_bytes(spec, memory, cold)
     runs = {"unpatched": [], "patched": []}
     files = spec.weight_files()
     left_cached = []
@@ -80,26 +81,34 @@ def run_bench(
         if cold:
             left_cached.append(cold_runs.evict(files))
 
-    floor = storage = None
+    floor = sequential = None
     if floors:  # first: it also brings the files into the page cache for every load after it
         with step_of(progress, "floors: read every checkpoint byte, construct without init"):
             floor = measure_floors(spec, timeout=timeout, prime=prime)
     if cold:
-        with step_of(
-            progress, f"storage floors: read the files cold, sequentially and with {cold_runs.PARALLEL_THREADS} threads"
-        ):
-            storage = cold_runs.storage_floors(files)
-        left_cached.append(storage["resident_after_evict"])
+        with step_of(progress, "storage floor: read the files cold, sequentially"):
+            sequential = cold_runs.sequential_floor(files)
+        left_cached.append(sequential["resident_after_evict"])
     ttm_runs = {"unpatched": [], "patched": []}
+    parallel_runs = []
+    parts = [("load", "unpatched"), ("load", "patched")]
+    if time_to_model:
+        parts += [("script", "unpatched"), ("script", "patched")]
+    if cold:
+        parts.append(("storage", None))
     for i in range(repeats):
-        for mode in ("unpatched", "patched"):  # alternating: slow drift of the machine hits both
-            with step_of(progress, f"{mode} load {i + 1}/{repeats}"):
-                evicted()
-                runs[mode].append(measure_load(spec, mode, timeout=timeout, prime=prime))
-        if time_to_model:
-            for mode in ("unpatched", "patched"):
+        # each round in another order: the first read after an eviction may
+        # find the files in a cache below the OS's (a VM host's), later ones do
+        for kind, mode in parts[i % len(parts) :] + parts[: i % len(parts)]:
+            evicted()
+            if kind == "storage":
+                with step_of(progress, f"storage floor: parallel read into fresh memory {i + 1}/{repeats}"):
+                    parallel_runs.append(measure_storage(files, timeout=timeout, prime=prime)["seconds"])
+            elif kind == "load":
+                with step_of(progress, f"{mode} load {i + 1}/{repeats}"):
+                    runs[mode].append(measure_load(spec, mode, timeout=timeout, prime=prime))
+            else:
                 with step_of(progress, f"{mode} time to model {i + 1}/{repeats}"):
-                    evicted()
                     ttm_runs[mode].append(measure_time_to_model(spec, mode, timeout=timeout, prime=prime))
     sides = {}
     for mode, mode_runs in runs.items():
@@ -140,14 +149,66 @@ def run_bench(
         "ratio": sides["unpatched"]["median_seconds"] / patched_median if patched_median > 0 else None,
         "floors": floor,
         "time_to_model": summarize_time_to_model(ttm_runs) if time_to_model else None,
+        "plain_script": plain_script_agreement(runs["patched"], ttm_runs["patched"]) if time_to_model else None,
         "cold": None
         if not cold
         else {
-            "storage_floors": storage,
+            "storage_floors": dict(
+                sequential,
+                parallel_seconds=statistics.median(parallel_runs),
+                parallel_runs=parallel_runs,
+                parallel_threads=cold_runs.PARALLEL_THREADS,
+                request_bytes=cold_runs.REQUEST_BYTES,
+            ),
             # the most of the checkpoint any eviction left cached (None: not measurable here)
             "resident_after_evict": max((x for x in left_cached if x is not None), default=None),
         },
     }
+
+
+# Two sets of runs agree when their ranges, each widened by this factor, overlap.
+AGREEMENT_MARGIN = 1.25
+
+
+def _read_figures(run: dict) -> tuple[float | None, int, int]:
+    """(read MB/s, cold files, files) of one patched run's report."""
+    report = run.get("report") or {}
+    reads = report.get("files_read") or []
+    seconds = report.get("read_seconds") or 0.0
+    rate = report.get("bytes_read", 0) / 2**20 / seconds if seconds > 0 else None
+    return rate, sum(1 for read in reads if read.get("cold")), len(reads)
+
+
+def plain_script_agreement(bench_runs: list[dict], script_runs: list[dict]) -> dict:
+    """Whether the bench's load child and a plain user's script (the time to
+    model child), both patched, read the checkpoint alike: the same count
+    of files read cold in every run, and read rates whose ranges, widened
+    by AGREEMENT_MARGIN, overlap."""
+    bench_figures = [_read_figures(run) for run in bench_runs]
+    script_figures = [_read_figures(run) for run in script_runs]
+    out = {
+        "bench_read_mb_s": [f[0] for f in bench_figures],
+        "script_read_mb_s": [f[0] for f in script_figures],
+        "bench_cold_files": [f[1] for f in bench_figures],
+        "script_cold_files": [f[1] for f in script_figures],
+        "files": max((f[2] for f in bench_figures + script_figures), default=0),
+    }
+    problems = []
+    if set(out["bench_cold_files"]) != set(out["script_cold_files"]) or len(set(out["bench_cold_files"])) > 1:
+        problems.append(f"files read cold: bench {out['bench_cold_files']}, plain script {out['script_cold_files']}")
+    bench_rates = [r for r in out["bench_read_mb_s"] if r]
+    script_rates = [r for r in out["script_read_mb_s"] if r]
+    if bench_rates and script_rates:
+        low = max(min(bench_rates), min(script_rates)) / AGREEMENT_MARGIN
+        high = min(max(bench_rates), max(script_rates)) * AGREEMENT_MARGIN
+        if low > high:
+            problems.append(
+                f"read rate: bench {', '.join(f'{r:,.0f}' for r in bench_rates)} MB/s, "
+                f"plain script {', '.join(f'{r:,.0f}' for r in script_rates)} MB/s"
+            )
+    out["agree"] = not problems
+    out["problems"] = problems
+    return out
 
 
 def _mb(n) -> str:
@@ -235,10 +296,24 @@ def format_table(results: dict, title: str | None = None) -> str:
         parallel = storage["parallel_seconds"]
         lines.append(
             f"  storage, cold: sequential read {_s(storage['sequential_seconds'])} "
-            f"({size / 2**20 / storage['sequential_seconds']:,.0f} MB/s), "
-            f"{storage['parallel_threads']} threads x {_mb(storage['request_bytes'])} requests "
-            f"{_s(parallel)} ({size / 2**20 / parallel:,.0f} MB/s); "
+            f"({size / 2**20 / storage['sequential_seconds']:,.0f} MB/s); "
+            f"{storage['parallel_threads']} threads x {_mb(storage['request_bytes'])} requests into fresh memory "
+            f"{_s(parallel)} ({size / 2**20 / parallel:,.0f} MB/s, median; runs "
+            f"{' '.join(f'{x:.2f}' for x in storage['parallel_runs'])}); "
             f"patched load = {pat['median_seconds'] / parallel:.2f}x of the parallel read"
+        )
+    plain = results.get("plain_script")
+    if plain:
+        rates = {side: [r for r in plain[f"{side}_read_mb_s"] if r] for side in ("bench", "script")}
+        text = {
+            side: (f"{statistics.median(v):,.0f} MB/s ({min(v):,.0f}-{max(v):,.0f})" if v else "-")
+            for side, v in rates.items()
+        }
+        lines.append(
+            f"  plain script: read {text['script']}, {'/'.join(map(str, plain['script_cold_files']))} of "
+            f"{plain['files']} files cold; the bench's child {text['bench']}, "
+            f"{'/'.join(map(str, plain['bench_cold_files']))} cold: "
+            + ("agree" if plain["agree"] else "DISAGREE (" + "; ".join(plain["problems"]) + ")")
         )
     ttm = results.get("time_to_model")
     if ttm:

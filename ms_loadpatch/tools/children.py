@@ -193,11 +193,16 @@ def run_child(task: dict, mode: str, timeout: float | None = None, env_extra: di
 MEMORY_MODES = ("primed", "as-is")
 
 
-def prime_bytes(spec: LoadSpec, memory: str) -> int:
-    """Enough for the largest load: the checkpoint read plus a cast copy of it."""
+def prime_bytes(spec: LoadSpec, memory: str, cold: bool = False) -> int:
+    """Enough for the largest load: the checkpoint read, plus a second copy
+    where the load may cast or reads cold (the page cache then takes fresh
+    memory too). No more: priming more than the free memory would push a
+    warm checkpoint out of the page cache."""
     if memory not in MEMORY_MODES:
         raise UsageError(f"--memory must be one of {', '.join(MEMORY_MODES)}")
-    return 2 * spec.checkpoint_bytes() + (256 << 20) if memory == "primed" else 0
+    if memory != "primed":
+        return 0
+    return (2 if cold or spec.casts() else 1) * spec.checkpoint_bytes() + (256 << 20)
 
 
 def load_task(spec: LoadSpec, snapshot: str | None = None, prime: int = 0, barrier: dict | None = None) -> dict:
@@ -272,7 +277,9 @@ with _child._fallbacks(_child._on_cpu()):
     _child.touch_all(model)
     loaded = time.time()
 lazy = sys.modules.get("ms_loadpatch.lazy_import")
+report = sys.modules["ms_loadpatch"].last_report()
 result = {
+    "report": report.as_dict() if report is not None else None,
     "interpreter_seconds": started - spawned,
     "import_mindspore_seconds": imported_mindspore - started,
     "import_mindone_seconds": imported_mindone - imported_mindspore,
@@ -286,7 +293,9 @@ json.dump(result, open(task["result"], "w"))
 """
 
 
-def measure_time_to_model(spec: LoadSpec, mode: str, timeout=None, prime: int = 0) -> dict:
+def measure_time_to_model(
+    spec: LoadSpec, mode: str, timeout=None, prime: int = 0, env_extra: dict | None = None
+) -> dict:
     """A fresh interpreter running a user's script (imports, then
     from_pretrained and touching every weight). Keys: seconds (interpreter
     start to the touched model, the untimed harness imports left out),
@@ -308,7 +317,7 @@ def measure_time_to_model(spec: LoadSpec, mode: str, timeout=None, prime: int = 
         try:
             proc = subprocess.run(
                 [sys.executable, "-c", _TIME_TO_MODEL_SCRIPT, repr(spawned), mode, task_file],
-                env=child_env(mode),
+                env={**child_env(mode), **(env_extra or {})},
                 stdout=subprocess.PIPE,
                 stderr=subprocess.PIPE,
                 text=True,
@@ -320,6 +329,12 @@ def measure_time_to_model(spec: LoadSpec, mode: str, timeout=None, prime: int = 
             raise ChildError(f"time to model ({mode}) failed with exit code {proc.returncode}", stderr=proc.stderr)
         with open(task["result"]) as f:
             return json.load(f)
+
+
+def measure_storage(files, timeout=None, prime: int = 0) -> dict:
+    """The parallel read of `files` into fresh memory in a fresh process
+    (cold.parallel_read). Keys: seconds, threads."""
+    return run_child({"task": "storage", "paths": list(files), "prime_bytes": prime}, "unpatched", timeout=timeout)
 
 
 def summarize_time_to_model(runs: dict) -> dict:

@@ -9,6 +9,8 @@ import os
 import threading
 import time
 
+import numpy as np
+
 from ..strategy import page_cache
 
 PARALLEL_THREADS = 8
@@ -57,9 +59,12 @@ def sequential_read(paths, block: int = SEQUENTIAL_BYTES) -> float:
     return time.perf_counter() - start
 
 
-def parallel_read(paths, threads: int = PARALLEL_THREADS, request: int = REQUEST_BYTES) -> float:
+def parallel_read(paths, threads: int = PARALLEL_THREADS, request: int = REQUEST_BYTES, fresh: bool = False) -> float:
     """Seconds to read every byte of `paths` with `threads` threads taking
-    `request`-byte preads from one queue of all files' parts."""
+    `request`-byte preads from one queue of all files' parts; `fresh`: into
+    a buffer the size of each file, allocated in the timed part, as a loader
+    reads (the page faults of fresh memory counted), else each thread into
+    one buffer it reuses (the storage alone)."""
     parts = [
         (path, offset, min(request, size - offset))
         for path in paths
@@ -71,16 +76,19 @@ def parallel_read(paths, threads: int = PARALLEL_THREADS, request: int = REQUEST
     parts.reverse()
 
     largest = max((length for _, _, length in parts), default=0)
+    targets = {}
 
     def work():
-        buffer = bytearray(largest)  # written over by each read: its zero-fill is not part of the floor
+        buffer = (
+            None if fresh else bytearray(largest)
+        )  # written over by each read: its zero-fill is not part of the floor
         try:
             while True:
                 with lock:
                     if not parts:
                         return
                     path, offset, length = parts.pop()
-                view = memoryview(buffer)[:length]
+                view = memoryview(targets[path])[offset : offset + length] if fresh else memoryview(buffer)[:length]
                 while length:
                     got = _read_at(fds[path], view, offset)
                     if got == 0:
@@ -91,6 +99,8 @@ def parallel_read(paths, threads: int = PARALLEL_THREADS, request: int = REQUEST
 
     workers = [threading.Thread(target=work, name=f"ms_loadpatch-bench-read-{i}") for i in range(threads)]
     start = time.perf_counter()
+    if fresh:
+        targets.update((path, np.empty(os.path.getsize(path), dtype=np.uint8)) for path in paths)
     try:
         for worker in workers:
             worker.start()
@@ -112,17 +122,8 @@ def _read_at(fd, view, offset) -> int:
     return len(data)
 
 
-def storage_floors(paths) -> dict:
-    """The cold floors of reading `paths`: sequentially and in parallel, each
-    after an eviction; with the share still cached after each eviction."""
-    left_sequential = evict(paths)
-    sequential = sequential_read(paths)
-    left_parallel = evict(paths)
-    parallel = parallel_read(paths)
-    return {
-        "sequential_seconds": sequential,
-        "parallel_seconds": parallel,
-        "parallel_threads": PARALLEL_THREADS,
-        "request_bytes": REQUEST_BYTES,
-        "resident_after_evict": max((x for x in (left_sequential, left_parallel) if x is not None), default=None),
-    }
+def sequential_floor(paths) -> dict:
+    """The cold sequential read of `paths`, after an eviction; with the
+    share still cached after it."""
+    left = evict(paths)
+    return {"sequential_seconds": sequential_read(paths), "resident_after_evict": left}

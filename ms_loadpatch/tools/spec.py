@@ -98,6 +98,27 @@ class LoadSpec:
     def checkpoint_bytes(self) -> int:
         return sum(os.path.getsize(f) for f in self.weight_files() if os.path.exists(f))
 
+    def casts(self) -> bool:
+        """Whether the load may cast: no dtype asked for (the library's
+        default decides), or some floating tensor of the files is in another."""
+        wanted = _SAFETENSORS_DTYPES.get(self.dtype)
+        if wanted is None:
+            return True
+        for path in self.weight_files():
+            try:
+                with open(path, "rb") as f:
+                    header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
+            except (OSError, ValueError):
+                return True
+            dtypes = {v.get("dtype") for k, v in header.items() if k != "__metadata__" and isinstance(v, dict)}
+            if any(d in _FLOATING and d != wanted for d in dtypes):
+                return True
+        return False
+
+
+_SAFETENSORS_DTYPES = {"float16": "F16", "bfloat16": "BF16", "float32": "F32"}
+_FLOATING = {"F16", "BF16", "F32", "F64", "F8_E4M3", "F8_E5M2"}
+
 
 def _read_json(path) -> dict:
     try:
