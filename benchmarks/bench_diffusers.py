@@ -231,11 +231,11 @@ import mindspore as ms
 from mindspore import nn
 from mindone.diffusers import DiffusionPipeline
 from ms_loadpatch.tools._child import _max_rss_bytes, _reset_peak_rss, prime_memory, touch_all
-from ms_loadpatch.strategy import reports
+from ms_loadpatch.strategy import reports as report_module
 from ms_loadpatch.testing import cpu_kernel_fallbacks
 reports = []
-emit = reports.emit
-reports.emit = lambda report: (reports.append(report.as_dict()), emit(report))
+emit = report_module.emit
+report_module.emit = lambda report: (reports.append(report.as_dict()), emit(report))
 path, dtype, prime = sys.argv[1], getattr(ms, sys.argv[2]), int(sys.argv[3])
 with cpu_kernel_fallbacks():
     prime_memory(prime)
@@ -256,8 +256,7 @@ def measure_pipeline(path, mode, prime, dtype="bfloat16"):
     return script_result(_PIPELINE_CHILD, (path, dtype, prime), mode, "pipeline load")
 
 
-def bench_pipeline(path, repeats, progress, memory):
-    models = ("unet", "vae", "text_encoder")
+def bench_pipeline(path, repeats, progress, memory, models=("unet", "vae", "text_encoder")):
     specs = [bench.LoadSpec.resolve(path, subfolder=name) for name in models]
     prime = sum(bench.prime_bytes(spec, memory) for spec in specs)
     floors = {"read_seconds": 0.0, "construct_seconds": 0.0, "read_bytes": 0}

@@ -166,8 +166,9 @@ def cpu_kernel_fallbacks(in_place: bool = True):
     `mint.arange`, `InplaceNormal` behind `mint.randn`, `StackExt`, `Outer` and
     `OnesLikeExt` behind `mint.stack` / `outer` / `ones_like` while building models; `InplaceNormal`,
     `InplaceUniform`, `InplaceZero` and `InplaceFillScalar` behind `Tensor.normal_` / `uniform_` / `zero_` /
-    `fill_` in the `_init_weights` of Qwen3-MoE, Qwen2-MoE, Gemma, NLLB-MoE and others; `Embedding` and
-    `RmsNorm` in forward passes).
+    `fill_` in the `_init_weights` of Qwen3-MoE, Qwen2-MoE, Gemma, NLLB-MoE and others;
+    `RepeatInterleaveInt` / `RepeatInterleaveTensor` behind `Tensor.repeat_interleave` in the positional
+    tables of CogVideoX and Wan; `Embedding` and `RmsNorm` in forward passes).
     Route them to equivalent ops for the duration; apply it to both sides of
     a comparison so they stay comparable. The random in-place kernels are
     replaced under `Tensor.normal_` / `uniform_`, which still take
@@ -179,7 +180,12 @@ def cpu_kernel_fallbacks(in_place: bool = True):
     import wrapt
     from mindspore import mint, ops
     from mindspore.ops.auto_generate import gen_ops_def
-    from mindspore.ops.function import random_func
+    from mindspore.ops.function import array_func, random_func
+
+    try:
+        from mindspore.ops import tensor_method
+    except ImportError:  # a mindspore whose tensor methods do not go through it
+        tensor_method = None
 
     def arange(wrapped, instance, args, kwargs):
         return ops.arange(*args, **kwargs)
@@ -201,6 +207,22 @@ def cpu_kernel_fallbacks(in_place: bool = True):
 
     def ones_like(wrapped, instance, args, kwargs):
         return ops.ones(tuple(args[0].shape), kwargs.get("dtype") or args[0].dtype)
+
+    def repeat_interleave(wrapped, instance, args, kwargs):
+        # RepeatInterleaveInt/Tensor through RepeatElements (Tile), which has no bf16 kernel: via float32, exact
+        def kernel(input, repeats, dim=None, output_size=None):
+            if isinstance(repeats, ms.Tensor):
+                repeats = repeats.asnumpy().tolist()
+            if dim is None:
+                input, dim = input.reshape(-1), 0
+            via = {ms.bfloat16: ms.float32, ms.bool_: ms.uint8}.get(input.dtype)
+            out = array_func.repeat_interleave(input if via is None else input.astype(via), repeats, dim)
+            out = out if via is None else out.astype(input.dtype)
+            if output_size is not None and out.shape[dim] != output_size:
+                raise ValueError(f"repeat_interleave: output_size {output_size}, got {out.shape[dim]}")
+            return out
+
+        return kernel(*args, **kwargs)
 
     def embedding(wrapped, instance, args, kwargs):
         input_ids, weight = args[0], args[1]
@@ -236,6 +258,10 @@ def cpu_kernel_fallbacks(in_place: bool = True):
         stack.enter_context(wrapt.scoped_function_wrapper(mint, "stack", stack_))
         stack.enter_context(wrapt.scoped_function_wrapper(mint, "outer", outer))
         stack.enter_context(wrapt.scoped_function_wrapper(mint, "ones_like", ones_like))
+        if hasattr(tensor_method, "repeat_interleave_ext"):  # where Tensor.repeat_interleave reaches the kernel
+            stack.enter_context(
+                wrapt.scoped_function_wrapper(tensor_method, "repeat_interleave_ext", repeat_interleave)
+            )
         if in_place:
             stack.enter_context(wrapt.scoped_function_wrapper(random_func, "inplace_normal_", inplace_normal))
             stack.enter_context(wrapt.scoped_function_wrapper(random_func, "inplace_uniform_op", inplace_uniform))
@@ -282,7 +308,9 @@ def write_random_checkpoint(cls, config, directory, dtype="float32", max_shard_b
     layout mindone's save_pretrained writes (model.safetensors, or shards
     plus model.safetensors.index.json), without initialising a model: the
     model is built lazily only to learn parameter names and shapes.
-    Much faster than building and saving a large model for real."""
+    Much faster than building and saving a large model for real. A
+    mindone.diffusers class takes `config` as a dict (from_config) and gets
+    its files named diffusion_pytorch_model*."""
     import json
     import os
     import sys
@@ -300,10 +328,13 @@ def write_random_checkpoint(cls, config, directory, dtype="float32", max_shard_b
         if init_pass is not None:
             modeling_utils._init_weights = False
         with cpu_kernel_fallbacks(), no_init_parameters():
-            model = cls(config)
+            model = cls.from_config(config) if isinstance(config, dict) else cls(config)
     finally:
         if init_pass is not None:
             modeling_utils._init_weights = init_pass
+    os.makedirs(directory, exist_ok=True)
+    (model.save_config if isinstance(config, dict) else config.save_pretrained)(directory)
+    stem = "diffusion_pytorch_model" if isinstance(config, dict) else "model"
     shapes = {}
     for name, param in model.parameters_and_names():
         shapes[name] = tuple(param.shape)
@@ -322,19 +353,17 @@ def write_random_checkpoint(cls, config, directory, dtype="float32", max_shard_b
         current[name] = (rng.standard_normal(shape, dtype=np.float32) * std).astype(np_dtype)
         current_bytes += size
     shards.append(current)
-    os.makedirs(directory, exist_ok=True)
-    config.save_pretrained(directory)
     metadata = {"format": "np"}
     if len(shards) == 1:
-        save_file(shards[0], os.path.join(directory, "model.safetensors"), metadata=metadata)
+        save_file(shards[0], os.path.join(directory, f"{stem}.safetensors"), metadata=metadata)
         return directory
     weight_map, total = {}, 0
     for i, shard in enumerate(shards, 1):
-        file_name = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
+        file_name = f"{stem}-{i:05d}-of-{len(shards):05d}.safetensors"
         save_file(shard, os.path.join(directory, file_name), metadata=metadata)
         for key, value in shard.items():
             weight_map[key] = file_name
             total += value.nbytes
-    with open(os.path.join(directory, "model.safetensors.index.json"), "w") as f:
+    with open(os.path.join(directory, f"{stem}.safetensors.index.json"), "w") as f:
         json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
     return directory

@@ -10,7 +10,7 @@ import mindspore as ms
 import pytest
 import transformers as hf
 
-from _helpers import tiny_qwen2_config, tiny_unet, tiny_vae
+from _helpers import tiny_cogvideox, tiny_cogvideox_vae, tiny_qwen2_config, tiny_unet, tiny_vae, tiny_wan, tiny_wan_vae
 import mindone.diffusers as md
 import mindone.transformers as mt
 import ms_loadpatch
@@ -148,6 +148,11 @@ DF_ARCHS = {
             axes_dims_rope=[4, 4, 8],
         ),
     ),
+    "cogvideox-2b": (md.CogVideoXTransformer3DModel, tiny_cogvideox("2b")),
+    "cogvideox-5b": (md.CogVideoXTransformer3DModel, tiny_cogvideox("5b")),
+    "cogvideox-vae": (md.AutoencoderKLCogVideoX, tiny_cogvideox_vae()),
+    "wan": (md.WanTransformer3DModel, tiny_wan()),
+    "wan-vae": (md.AutoencoderKLWan, tiny_wan_vae()),
 }
 
 

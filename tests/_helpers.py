@@ -94,6 +94,71 @@ def tiny_unet() -> dict:
     )
 
 
+def tiny_cogvideox(layout="2b") -> dict:
+    """Keyword arguments of mindone.diffusers.CogVideoXTransformer3DModel, tiny:
+    `2b` CogVideoX-2b's layout (sin-cos positions), `5b` CogVideoX-5b's
+    (rotary positions). Builds under cpu_kernel_fallbacks()."""
+    config = dict(
+        num_attention_heads=2,
+        attention_head_dim=8,
+        in_channels=4,
+        out_channels=4,
+        time_embed_dim=2,
+        text_embed_dim=8,
+        num_layers=1,
+        sample_width=8,
+        sample_height=8,
+        sample_frames=9,
+        patch_size=2,
+        temporal_compression_ratio=4,
+        max_text_seq_length=8,
+        use_rotary_positional_embeddings=False,
+        use_learned_positional_embeddings=False,
+    )
+    if layout == "5b":
+        config.update(num_layers=2, use_rotary_positional_embeddings=True)
+    return config
+
+
+def tiny_cogvideox_vae() -> dict:
+    """Keyword arguments of mindone.diffusers.AutoencoderKLCogVideoX, tiny."""
+    return dict(
+        block_out_channels=(8, 8),
+        latent_channels=4,
+        layers_per_block=1,
+        norm_num_groups=2,
+        temporal_compression_ratio=4,
+        down_block_types=("CogVideoXDownBlock3D",) * 2,
+        up_block_types=("CogVideoXUpBlock3D",) * 2,
+        in_channels=3,
+        out_channels=3,
+    )
+
+
+def tiny_wan() -> dict:
+    """Keyword arguments of mindone.diffusers.WanTransformer3DModel, tiny
+    (Wan2.1's layout). Builds under cpu_kernel_fallbacks()."""
+    return dict(
+        patch_size=(1, 2, 2),
+        num_attention_heads=2,
+        attention_head_dim=12,
+        in_channels=4,
+        out_channels=4,
+        text_dim=16,
+        freq_dim=256,
+        ffn_dim=32,
+        num_layers=2,
+        cross_attn_norm=True,
+        qk_norm="rms_norm_across_heads",
+        rope_max_seq_len=32,
+    )
+
+
+def tiny_wan_vae() -> dict:
+    """Keyword arguments of mindone.diffusers.AutoencoderKLWan, tiny."""
+    return dict(base_dim=3, z_dim=16, dim_mult=[1, 1, 1, 1], num_res_blocks=1, temperal_downsample=[False, True, True])
+
+
 # -- a forward pass on the CPU backend
 
 

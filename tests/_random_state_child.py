@@ -3,8 +3,9 @@ and print the global generators' draws after each call as one JSON line.
 
     python _random_state_child.py CASE DIRECTORY
 
-CASE: `diffusers-unet`, `diffusers-vae`, `diffusers-unet3d[-missing]` (from_pretrained of the checkpoint in
-DIRECTORY/CASE), `diffusers-controlnet` (ControlNetModel.from_unet of that
+CASE: `diffusers-unet`, `diffusers-vae`, `diffusers-unet3d[-missing]`,
+`diffusers-cogvideox[-5b|-vae]`, `diffusers-wan[-missing|-vae]`
+(from_pretrained of the checkpoint in DIRECTORY/CASE), `diffusers-controlnet` (ControlNetModel.from_unet of that
 UNet), `diffusers-single-file` (the UNet's file through from_single_file),
 `transformers-*` (from_pretrained of DIRECTORY/CASE, see
 TRANSFORMERS; `-bf16`: as bfloat16), `transformers-from-config`, `probes`
@@ -67,6 +68,12 @@ def call():
             "diffusers-vae": D.AutoencoderKL,
             "diffusers-unet3d": D.UNet3DConditionModel,
             "diffusers-unet3d-missing": D.UNet3DConditionModel,
+            "diffusers-cogvideox": D.CogVideoXTransformer3DModel,
+            "diffusers-cogvideox-5b": D.CogVideoXTransformer3DModel,
+            "diffusers-cogvideox-vae": D.AutoencoderKLCogVideoX,
+            "diffusers-wan": D.WanTransformer3DModel,
+            "diffusers-wan-missing": D.WanTransformer3DModel,
+            "diffusers-wan-vae": D.AutoencoderKLWan,
         }[case]
         return cls.from_pretrained(os.path.join(directory, case))
     if case in TRANSFORMERS:

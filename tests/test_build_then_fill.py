@@ -14,7 +14,7 @@ import mindspore as ms
 import numpy as np
 import pytest
 
-from _helpers import tiny_unet, tiny_vae
+from _helpers import tiny_unet, tiny_vae, tiny_wan, tiny_wan_vae
 import mindone.diffusers as md
 import ms_loadpatch
 from ms_loadpatch.api_verdict import api_verdict
@@ -270,8 +270,9 @@ def test_half_precision_source(dtype):
 
 @pytest.fixture(scope="module")
 def single_files(tmp_path_factory):
-    """Diffusers-format single files of the tiny UNet and VAE (with their
-    configs), and the VAE's weights in the original (LDM) layout."""
+    """Diffusers-format single files of the tiny UNet, VAE, Wan transformer
+    and Wan VAE (with their configs), and the VAE's weights in the original
+    (LDM) layout."""
     from safetensors.numpy import save_file
 
     from ms_loadpatch.testing import cpu_kernel_fallbacks
@@ -279,6 +280,8 @@ def single_files(tmp_path_factory):
     root = tmp_path_factory.mktemp("single-file")
     with ms_loadpatch.disabled(), cpu_kernel_fallbacks():
         md.UNet2DConditionModel(**tiny_unet()).save_pretrained(root / "unet")
+        md.WanTransformer3DModel(**tiny_wan()).save_pretrained(root / "wan")
+        md.AutoencoderKLWan(**tiny_wan_vae()).save_pretrained(root / "wan-vae")
         vae = md.AutoencoderKL(**tiny_vae())
         vae.save_pretrained(root / "vae")
     from ms_loadpatch.tools import original_format
@@ -302,6 +305,14 @@ SINGLE_FILE_CASES = {
     ),
     "vae": (md.AutoencoderKL, "vae/diffusion_pytorch_model.safetensors", "vae", {}),
     "vae-ldm": (md.AutoencoderKL, "vae-ldm.safetensors", "vae", {}),
+    "wan": (md.WanTransformer3DModel, "wan/diffusion_pytorch_model.safetensors", "wan", {}),
+    "wan-bf16": (
+        md.WanTransformer3DModel,
+        "wan/diffusion_pytorch_model.safetensors",
+        "wan",
+        {"mindspore_dtype": ms.bfloat16},
+    ),
+    "wan-vae": (md.AutoencoderKLWan, "wan-vae/diffusion_pytorch_model.safetensors", "wan-vae", {}),
 }
 
 

@@ -4,6 +4,10 @@ it), Python's random, mindspore's default generator; and gets the same
 model, weights its checkpoint lacks included. Fresh processes, one
 PYTHONHASHSEED, the first call of a process (the probes run) and a later one.
 
+diffusers loads: UNet, VAE, UNet3D (also lacking weights), ControlNet from
+a UNet, a UNet's single file, CogVideoX's transformer (2b and 5b layouts)
+and VAE, Wan's transformer (also lacking weights) and VAE.
+
 transformers loads: dense Qwen2 as stored and as bf16, with weights the
 checkpoint lacks, a Mixtral built from its first cell with every
 construction technique (experts copied), Qwen3-MoE (its `_init_weights`
@@ -28,6 +32,12 @@ CASES = [
     "diffusers-unet3d-missing",
     "diffusers-controlnet",
     "diffusers-single-file",
+    "diffusers-cogvideox",
+    "diffusers-cogvideox-5b",
+    "diffusers-cogvideox-vae",
+    "diffusers-wan",
+    "diffusers-wan-missing",
+    "diffusers-wan-vae",
     "transformers-from-config",
     pytest.param("probes", marks=pytest.mark.matrix),
     "transformers-qwen2",
@@ -71,6 +81,13 @@ with cpu_kernel_fallbacks():
         in_channels=4, out_channels=4, down_block_types=("CrossAttnDownBlock3D", "DownBlock3D"),
         up_block_types=("UpBlock3D", "CrossAttnUpBlock3D"), cross_attention_dim=8,
         attention_head_dim=2).save_pretrained(os.path.join({str(root)!r}, "diffusers-unet3d"))
+    from _helpers import tiny_cogvideox, tiny_cogvideox_vae, tiny_wan, tiny_wan_vae
+    for case, cls, config in (("diffusers-cogvideox", D.CogVideoXTransformer3DModel, tiny_cogvideox("2b")),
+                              ("diffusers-cogvideox-5b", D.CogVideoXTransformer3DModel, tiny_cogvideox("5b")),
+                              ("diffusers-cogvideox-vae", D.AutoencoderKLCogVideoX, tiny_cogvideox_vae()),
+                              ("diffusers-wan", D.WanTransformer3DModel, tiny_wan()),
+                              ("diffusers-wan-vae", D.AutoencoderKLWan, tiny_wan_vae())):
+        cls(**config).save_pretrained(os.path.join({str(root)!r}, case))
     import transformers as hf
     import mindone.transformers as mt
     from safetensors.numpy import load_file, save_file
@@ -98,7 +115,9 @@ with cpu_kernel_fallbacks():
                                                       "model.layers.0.mlp.gate.weight", "lm_head.weight")),
                           ("diffusers-unet3d", ("down_blocks.1.temp_convs.0.conv4.3.weight",
                                                 "up_blocks.0.temp_convs.1.conv4.3.bias",
-                                                "down_blocks.0.temp_convs.0.conv1.2.weight"))):
+                                                "down_blocks.0.temp_convs.0.conv1.2.weight")),
+                          ("diffusers-wan", ("scale_shift_table", "blocks.1.attn1.to_q.weight",
+                                             "condition_embedder.time_proj.bias"))):
         source, missing = os.path.join({str(root)!r}, case), os.path.join({str(root)!r}, case + "-missing")
         os.makedirs(missing)
         for name in os.listdir(source):
