@@ -159,6 +159,27 @@ def tiny_wan_vae() -> dict:
     return dict(base_dim=3, z_dim=16, dim_mult=[1, 1, 1, 1], num_res_blocks=1, temperal_downsample=[False, True, True])
 
 
+def tiny_t5_tokenizer():
+    """A T5 tokenizer (unigram, sentencepiece-style) over a few words, built in memory."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import T5TokenizerFast
+
+    pieces = [("<pad>", 0.0), ("</s>", 0.0), ("<unk>", 0.0)]
+    pieces += [("\u2581" + word, -1.0) for word in "a cat the walks on grass".split()]
+    pieces += [(letter, -5.0) for letter in "abcdefghijklmnopqrstuvwxyz"]
+    unigram = Tokenizer(models.Unigram(pieces, unk_id=2))
+    unigram.pre_tokenizer = pre_tokenizers.Metaspace()
+    unigram.decoder = decoders.Metaspace()
+    return T5TokenizerFast(
+        tokenizer_object=unigram,
+        pad_token="<pad>",
+        eos_token="</s>",
+        unk_token="<unk>",
+        extra_ids=0,
+        model_max_length=8,
+    )
+
+
 # -- a forward pass on the CPU backend
 
 

@@ -4,7 +4,7 @@ and print the global generators' draws after each call as one JSON line.
     python _random_state_child.py CASE DIRECTORY
 
 CASE: `diffusers-unet`, `diffusers-vae`, `diffusers-unet3d[-missing]`,
-`diffusers-cogvideox[-5b|-vae]`, `diffusers-wan[-missing|-vae]`
+`diffusers-cogvideox[-5b|-vae|-pipeline]`, `diffusers-wan[-missing|-vae]`
 (from_pretrained of the checkpoint in DIRECTORY/CASE), `diffusers-controlnet` (ControlNetModel.from_unet of that
 UNet), `diffusers-single-file` (the UNet's file through from_single_file),
 `transformers-*` (from_pretrained of DIRECTORY/CASE, see
@@ -43,10 +43,17 @@ TRANSFORMERS = {
 
 
 def digest(model):
+    """Of a model, or of a pipeline's models."""
+    from mindspore import nn
+
     h = hashlib.sha256()
-    for name, param in model.parameters_and_names():
-        h.update(f"{name} {param.dtype}".encode())
-        h.update(param.asnumpy().tobytes())
+    models = {"": model} if isinstance(model, nn.Cell) else model.components
+    for component, cell in models.items():
+        if not isinstance(cell, nn.Cell):
+            continue
+        for name, param in cell.parameters_and_names():
+            h.update(f"{component} {name} {param.dtype}".encode())
+            h.update(param.asnumpy().tobytes())
     return h.hexdigest()
 
 
@@ -58,6 +65,8 @@ def call():
             return D.ControlNetModel.from_unet(
                 D.UNet2DConditionModel.from_pretrained(os.path.join(directory, "diffusers-unet"))
             )
+        if case == "diffusers-cogvideox-pipeline":
+            return D.DiffusionPipeline.from_pretrained(os.path.join(directory, case))
         if case == "diffusers-single-file":
             return D.UNet2DConditionModel.from_single_file(
                 os.path.join(directory, "diffusers-unet", "diffusion_pytorch_model.safetensors"),

@@ -29,6 +29,7 @@ from _helpers import (  # noqa: E402
     flux_cpu_routes,
     tiny_cogvideox,
     tiny_cogvideox_vae,
+    tiny_t5_tokenizer,
     tiny_unet,
     tiny_vae,
     tiny_wan,
@@ -753,27 +754,6 @@ def test_pipeline(pipeline_dir, monkeypatch, entry, target):
     assert ("transformers", "CLIPTextModel") in {(r.library, r.model_class) for r in reports}
 
 
-def _tiny_t5_tokenizer():
-    """A T5 tokenizer (unigram, sentencepiece-style) over a few words, built in memory."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import T5TokenizerFast
-
-    pieces = [("<pad>", 0.0), ("</s>", 0.0), ("<unk>", 0.0)]
-    pieces += [("\u2581" + word, -1.0) for word in "a cat the walks on grass".split()]
-    pieces += [(letter, -5.0) for letter in "abcdefghijklmnopqrstuvwxyz"]
-    unigram = Tokenizer(models.Unigram(pieces, unk_id=2))
-    unigram.pre_tokenizer = pre_tokenizers.Metaspace()
-    unigram.decoder = decoders.Metaspace()
-    return T5TokenizerFast(
-        tokenizer_object=unigram,
-        pad_token="<pad>",
-        eos_token="</s>",
-        unk_token="<unk>",
-        extra_ids=0,
-        model_max_length=8,
-    )
-
-
 @pytest.fixture(scope="module")
 def cogvideox_pipeline_dir(tmp_path_factory):
     """CogVideoX's pipeline, tiny: its transformer (2b layout), its VAE, a T5
@@ -782,7 +762,7 @@ def cogvideox_pipeline_dir(tmp_path_factory):
     from transformers import T5Config
 
     root = tmp_path_factory.mktemp("cogvideox-pipeline")
-    tokenizer = _tiny_t5_tokenizer()
+    tokenizer = tiny_t5_tokenizer()
     with ms_loadpatch.disabled(), cpu_kernel_fallbacks():
         text_encoder = T5EncoderModel(
             T5Config(

@@ -6,7 +6,8 @@ PYTHONHASHSEED, the first call of a process (the probes run) and a later one.
 
 diffusers loads: UNet, VAE, UNet3D (also lacking weights), ControlNet from
 a UNet, a UNet's single file, CogVideoX's transformer (2b and 5b layouts)
-and VAE, Wan's transformer (also lacking weights) and VAE.
+and VAE, the CogVideoX pipeline (with a T5 encoder), Wan's transformer
+(also lacking weights) and VAE.
 
 transformers loads: dense Qwen2 as stored and as bf16, with weights the
 checkpoint lacks, a Mixtral built from its first cell with every
@@ -38,6 +39,7 @@ CASES = [
     "diffusers-wan",
     "diffusers-wan-missing",
     "diffusers-wan-vae",
+    "diffusers-cogvideox-pipeline",
     "transformers-from-config",
     pytest.param("probes", marks=pytest.mark.matrix),
     "transformers-qwen2",
@@ -81,13 +83,23 @@ with cpu_kernel_fallbacks():
         in_channels=4, out_channels=4, down_block_types=("CrossAttnDownBlock3D", "DownBlock3D"),
         up_block_types=("UpBlock3D", "CrossAttnUpBlock3D"), cross_attention_dim=8,
         attention_head_dim=2).save_pretrained(os.path.join({str(root)!r}, "diffusers-unet3d"))
-    from _helpers import tiny_cogvideox, tiny_cogvideox_vae, tiny_wan, tiny_wan_vae
+    from _helpers import tiny_cogvideox, tiny_cogvideox_vae, tiny_t5_tokenizer, tiny_wan, tiny_wan_vae
     for case, cls, config in (("diffusers-cogvideox", D.CogVideoXTransformer3DModel, tiny_cogvideox("2b")),
                               ("diffusers-cogvideox-5b", D.CogVideoXTransformer3DModel, tiny_cogvideox("5b")),
                               ("diffusers-cogvideox-vae", D.AutoencoderKLCogVideoX, tiny_cogvideox_vae()),
                               ("diffusers-wan", D.WanTransformer3DModel, tiny_wan()),
                               ("diffusers-wan-vae", D.AutoencoderKLWan, tiny_wan_vae())):
         cls(**config).save_pretrained(os.path.join({str(root)!r}, case))
+    import transformers as hf
+    import mindone.transformers as mt
+    D.CogVideoXPipeline(
+        tokenizer=tiny_t5_tokenizer(),
+        text_encoder=mt.T5EncoderModel(hf.T5Config(vocab_size=64, d_model=8, d_kv=4, d_ff=16, num_layers=1,
+                                                   num_heads=2, relative_attention_num_buckets=4)),
+        vae=D.AutoencoderKLCogVideoX(**tiny_cogvideox_vae()),
+        transformer=D.CogVideoXTransformer3DModel(**tiny_cogvideox("2b")),
+        scheduler=D.CogVideoXDDIMScheduler(),
+    ).save_pretrained(os.path.join({str(root)!r}, "diffusers-cogvideox-pipeline"))
     import transformers as hf
     import mindone.transformers as mt
     from safetensors.numpy import load_file, save_file
