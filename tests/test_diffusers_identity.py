@@ -1,6 +1,6 @@
 """Patched mindone.diffusers from_pretrained returns the same model as the
 unpatched one: every parameter compared (name, shape, dtype, bits), plus
-loading info, errors, a forward pass, and a pipeline.
+loading info, errors, a forward pass, and pipelines (Stable Diffusion, CogVideoX).
 
 Checkpoints are generated once per module from tiny configs with random
 weights; CONFIGS keys are class names, `:tag` telling configs of one class

@@ -100,8 +100,6 @@ with cpu_kernel_fallbacks():
         transformer=D.CogVideoXTransformer3DModel(**tiny_cogvideox("2b")),
         scheduler=D.CogVideoXDDIMScheduler(),
     ).save_pretrained(os.path.join({str(root)!r}, "diffusers-cogvideox-pipeline"))
-    import transformers as hf
-    import mindone.transformers as mt
     from safetensors.numpy import load_file, save_file
     small = dict(vocab_size=128, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
     for name, model in (
