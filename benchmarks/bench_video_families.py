@@ -53,6 +53,19 @@ COGVIDEOX_2B = dict(
     spatial_interpolation_scale=1.875,
     use_rotary_positional_embeddings=False,
 )
+# the same layout, tiny
+COGVIDEOX_2B_SMALL = dict(
+    COGVIDEOX_2B,
+    num_attention_heads=2,
+    attention_head_dim=16,
+    num_layers=2,
+    text_embed_dim=64,
+    time_embed_dim=32,
+    sample_width=16,
+    sample_height=16,
+    sample_frames=9,
+    max_text_seq_length=16,
+)
 SIZES = {
     "full": {
         "cogvideox-2b": ("CogVideoXTransformer3DModel", "diffusers", COGVIDEOX_2B),
@@ -101,35 +114,12 @@ SIZES = {
         "cogvideox-2b": (
             "CogVideoXTransformer3DModel",
             "diffusers",
-            dict(
-                COGVIDEOX_2B,
-                num_attention_heads=2,
-                attention_head_dim=16,
-                num_layers=2,
-                text_embed_dim=64,
-                time_embed_dim=32,
-                sample_width=16,
-                sample_height=16,
-                sample_frames=9,
-                max_text_seq_length=16,
-            ),
+            COGVIDEOX_2B_SMALL,
         ),
         "cogvideox-5b": (
             "CogVideoXTransformer3DModel",
             "diffusers",
-            dict(
-                COGVIDEOX_2B,
-                num_attention_heads=2,
-                attention_head_dim=16,
-                num_layers=3,
-                text_embed_dim=64,
-                time_embed_dim=32,
-                sample_width=16,
-                sample_height=16,
-                sample_frames=9,
-                max_text_seq_length=16,
-                use_rotary_positional_embeddings=True,
-            ),
+            dict(COGVIDEOX_2B_SMALL, num_layers=3, use_rotary_positional_embeddings=True),
         ),
         "cogvideox-vae": (
             "AutoencoderKLCogVideoX",
