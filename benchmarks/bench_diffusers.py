@@ -220,7 +220,7 @@ def assemble_pipeline(size, components):
 
 
 _PIPELINE_CHILD = r"""
-import json, sys, time
+import json, os, sys, time
 import ms_loadpatch
 from ms_loadpatch import activation
 if activation.switched_on():
@@ -230,14 +230,16 @@ else:
 import mindspore as ms
 from mindspore import nn
 from mindone.diffusers import DiffusionPipeline
-from ms_loadpatch.tools._child import _max_rss_bytes, _reset_peak_rss, prime_memory, touch_all
+from ms_loadpatch.tools._child import _max_rss_bytes, _reset_peak_rss, prime_memory, touch_all, warm_page_cache
 from ms_loadpatch.strategy import reports as report_module
 from ms_loadpatch.testing import cpu_kernel_fallbacks
 reports = []
 emit = report_module.emit
 report_module.emit = lambda report: (reports.append(report.as_dict()), emit(report))
 path, dtype, prime = sys.argv[1], getattr(ms, sys.argv[2]), int(sys.argv[3])
+weights = [os.path.join(d, n) for d, _, names in os.walk(path) for n in names if n.endswith(".safetensors")]
 with cpu_kernel_fallbacks():
+    warm_page_cache(sorted(weights))  # as the floors' child does before its priming
     prime_memory(prime)
     _reset_peak_rss()
     rss_before = _max_rss_bytes()

@@ -373,7 +373,11 @@ def measure_case(case, paths, args, progress, alone):
     spec = bench.LoadSpec.resolve(paths[case], dtype="bfloat16")
     if case in alone:
         return patched_alone(
-            [spec], args.repeats, progress, args.memory, lambda prime: bench.measure_load(spec, "patched", prime=prime)
+            [spec],
+            args.repeats,
+            progress,
+            args.memory,
+            lambda prime: bench.measure_load(spec, "patched", prime=prime, warm=True),
         )
     result = bench.run_bench(spec, repeats=args.repeats, progress=progress, memory=args.memory, time_to_model=False)
     print()

@@ -37,7 +37,9 @@ class _Patcher:
         self._targets = targets
         self._lock = threading.RLock()
         self._enabled = False
-        self._handles: dict[str, object] = {}  # target key -> installed FunctionWrapper
+        # target key -> (the module patched, the installed wrapper): the module itself, since
+        # sys.modules may have dropped it by disable() (pytester's in-process runs do)
+        self._handles: dict[str, tuple] = {}
         self._states: dict[str, tuple[str, str]] = {}  # target key -> (state, reason)
         self._hooked_modules: set[str] = set()
         self._gate: versions.GateResult | None = None
@@ -113,9 +115,8 @@ class _Patcher:
             finally:
                 self._disabling = False
             for target in reversed(self._targets):
-                handle = self._handles.pop(target.key, None)
+                module, handle = self._handles.pop(target.key, (None, None))
                 if handle is not None:
-                    module = sys.modules[target.module]
                     if wrapt.unwrap_object(module, target.path, handle, missing_ok=True) is None:
                         logger.warning("%s was replaced by someone else; left as it is", target.key)
                 self._states[target.key] = (SKIPPED, "disabled")
@@ -146,7 +147,7 @@ class _Patcher:
                     self._idle.notify_all()
 
     def is_handle(self, obj) -> bool:
-        return any(obj is handle for handle in self._handles.values())
+        return any(obj is handle for _, handle in self._handles.values())
 
     def status(self) -> dict:
         with self._lock:  # a snapshot; the probes run after it is released
@@ -220,7 +221,7 @@ class _Patcher:
                     handle = wrapt.wrap_object(
                         module, target.path, wrapt.FunctionWrapper, (wrapper,), {"enabled": self.is_enabled}
                     )
-                self._handles[target.key] = handle
+                self._handles[target.key] = (module, handle)
             except Exception as exc:  # a missing attribute must not break the user's import
                 self._states[target.key] = (SKIPPED, f"cannot patch: {exc}")
                 logger.warning("ms_loadpatch: %s not patched: %s", target.key, exc)

@@ -10,7 +10,17 @@ import mindspore as ms
 import pytest
 import transformers as hf
 
-from _helpers import tiny_cogvideox, tiny_cogvideox_vae, tiny_qwen2_config, tiny_unet, tiny_vae, tiny_wan, tiny_wan_vae
+from _helpers import (
+    tiny_cogvideox,
+    tiny_cogvideox_vae,
+    tiny_hunyuan_video,
+    tiny_hunyuan_video_vae,
+    tiny_qwen2_config,
+    tiny_unet,
+    tiny_vae,
+    tiny_wan,
+    tiny_wan_vae,
+)
 import mindone.diffusers as md
 import mindone.transformers as mt
 import ms_loadpatch
@@ -153,6 +163,8 @@ DF_ARCHS = {
     "cogvideox-vae": (md.AutoencoderKLCogVideoX, tiny_cogvideox_vae()),
     "wan": (md.WanTransformer3DModel, tiny_wan()),
     "wan-vae": (md.AutoencoderKLWan, tiny_wan_vae()),
+    "hunyuan-video": (md.HunyuanVideoTransformer3DModel, tiny_hunyuan_video()),
+    "hunyuan-video-vae": (md.AutoencoderKLHunyuanVideo, tiny_hunyuan_video_vae()),
 }
 
 

@@ -159,6 +159,29 @@ def tiny_wan_vae() -> dict:
     return dict(base_dim=3, z_dim=16, dim_mult=[1, 1, 1, 1], num_res_blocks=1, temperal_downsample=[False, True, True])
 
 
+def tiny_hunyuan_video() -> dict:
+    """Keyword arguments of mindone.diffusers.HunyuanVideoTransformer3DModel,
+    tiny (dual-stream, single-stream and refiner blocks); builds on the plain
+    CPU wheel (its rotary table is made in the forward pass)."""
+    return dict(
+        in_channels=4,
+        out_channels=4,
+        num_attention_heads=2,
+        attention_head_dim=12,
+        num_layers=1,
+        num_single_layers=1,
+        num_refiner_layers=1,
+        text_embed_dim=16,
+        pooled_projection_dim=8,
+        rope_axes_dim=(4, 4, 4),
+    )
+
+
+def tiny_hunyuan_video_vae() -> dict:
+    """Keyword arguments of mindone.diffusers.AutoencoderKLHunyuanVideo, tiny."""
+    return dict(latent_channels=4, block_out_channels=(8, 8, 8, 8), layers_per_block=1, norm_num_groups=4)
+
+
 def tiny_t5_tokenizer():
     """A T5 tokenizer (unigram, sentencepiece-style) over a few words, built in memory."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers

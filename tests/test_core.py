@@ -42,6 +42,27 @@ def test_target_patch_cycle(order_report, target):
     assert not failed, f"{target} ({order}): failed {failed}"
 
 
+def test_disable_restores_a_module_no_longer_in_sys_modules():
+    """disable() unwraps the module it patched even where sys.modules has
+    dropped it meanwhile (pytester's in-process runs drop what they import)."""
+    code = textwrap.dedent(
+        """
+        import sys, wrapt
+        import ms_loadpatch
+        assert ms_loadpatch.enable()
+        import mindone.transformers.modeling_utils as mu
+        assert isinstance(vars(mu.PreTrainedModel)["from_pretrained"], wrapt.FunctionWrapper)
+        del sys.modules["mindone.transformers.modeling_utils"]
+        ms_loadpatch.disable()
+        assert not isinstance(vars(mu.PreTrainedModel)["from_pretrained"], wrapt.FunctionWrapper)
+        assert not isinstance(mu.load_state_dict, wrapt.FunctionWrapper)
+        print("RESTORED")
+        """
+    )
+    proc = run_python(code)
+    assert "RESTORED" in proc.stdout, proc.stderr[-3000:]
+
+
 def test_import_does_not_import_mindspore():
     proc = run_python(
         "import sys, ms_loadpatch; print('REPORT', __import__('json').dumps(sorted("

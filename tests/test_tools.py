@@ -46,8 +46,12 @@ def tiny_checkpoint(cache):
 @pytest.fixture(scope="module")
 def mindone_imported():
     """Imported before pytester's in-process runs: they drop modules first
-    imported inside them, and mindspore does not survive a re-import."""
+    imported inside them, and mindspore does not survive a re-import. Its
+    tensor_method too, imported at the first tensor method call: mindspore's
+    C++ dispatch keeps the functions of the copy it first found, so a
+    fallback patching a second copy would not be called."""
     import mindone.transformers  # noqa: F401
+    import mindspore.ops.tensor_method  # noqa: F401
 
 
 def cli_proc(*args, cwd=None, env_extra=None):
@@ -570,3 +574,34 @@ def test_bench_child_reads_as_a_plain_script_does(cache, tmp_path, cpu_kernels):
     assert agreement["files"] == len(files) >= 2
     assert agreement["script_cold_files"] == [len(files)] * 2, agreement
     assert agreement["agree"], agreement
+
+
+def test_warm_load_child_meets_the_page_cache_the_floors_meet(cache, tmp_path):
+    """A warm bench load (`warm=True`) reads the checkpoint through the page
+    cache before its priming, as the floors' child does: evicted beforehand,
+    its files are found cached by the load; without, they are not."""
+    import mindone.transformers as mt
+    import transformers as hf
+
+    from ms_loadpatch.testing import write_random_checkpoint
+    from ms_loadpatch.tools import cold
+
+    config = hf.Qwen2Config(
+        vocab_size=4096,
+        hidden_size=256,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        intermediate_size=256,
+    )
+    directory = write_random_checkpoint(mt.Qwen2ForCausalLM, config, str(tmp_path / "qwen2"), max_shard_bytes=4 << 20)
+    spec = bench.LoadSpec.resolve(directory, class_name="Qwen2ForCausalLM")
+    files = spec.weight_files()
+    if cold.evict(files) != 0.0:
+        pytest.skip("this filesystem keeps the pages (or has no mincore): nothing is read cold")
+    as_found = bench.measure_load(spec, "patched")["report"]["files_read"]
+    cold.evict(files)
+    warmed = bench.measure_load(spec, "patched", warm=True)["report"]["files_read"]
+    assert len(warmed) == len(files) >= 2
+    assert all(f["cold"] for f in as_found), as_found
+    assert all(f["cached"] == 1.0 for f in warmed), warmed

@@ -106,7 +106,7 @@ def run_bench(
                     parallel_runs.append(measure_storage(files, timeout=timeout, prime=prime)["seconds"])
             elif kind == "load":
                 with step_of(progress, f"{mode} load {i + 1}/{repeats}"):
-                    runs[mode].append(measure_load(spec, mode, timeout=timeout, prime=prime))
+                    runs[mode].append(measure_load(spec, mode, timeout=timeout, prime=prime, warm=not cold))
             else:
                 with step_of(progress, f"{mode} time to model {i + 1}/{repeats}"):
                     ttm_runs[mode].append(measure_time_to_model(spec, mode, timeout=timeout, prime=prime))

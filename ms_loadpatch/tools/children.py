@@ -205,15 +205,20 @@ def prime_bytes(spec: LoadSpec, memory: str, cold: bool = False) -> int:
     return (2 if cold or spec.casts() else 1) * spec.checkpoint_bytes() + (256 << 20)
 
 
-def load_task(spec: LoadSpec, snapshot: str | None = None, prime: int = 0, barrier: dict | None = None) -> dict:
+def load_task(
+    spec: LoadSpec, snapshot: str | None = None, prime: int = 0, barrier: dict | None = None, warm: bool = False
+) -> dict:
     """`barrier` ({"directory", "parties"}): the load starts when that many
-    processes are ready (ranks of a job loading at the same moment)."""
+    processes are ready (ranks of a job loading at the same moment). `warm`:
+    the checkpoint read through the page cache before the priming, as the
+    floors' child does, so both meet the same page cache."""
     return {
         "task": "load",
         "spec": dataclasses.asdict(spec),
         "snapshot": snapshot,
         "prime_bytes": prime,
         "barrier": barrier,
+        "warm": warm,
     }
 
 
@@ -225,11 +230,12 @@ def measure_load(
     prime: int = 0,
     barrier: dict | None = None,
     env_extra: dict | None = None,
+    warm: bool = False,
 ) -> dict:
     """One from_pretrained in a fresh process ("patched" or "unpatched"),
     timed up to the last weight touched. Keys: seconds, peak_rss_bytes,
     rss_before_bytes, report (patched: LoadReport.as_dict()), device, ..."""
-    return run_child(load_task(spec, snapshot, prime, barrier), mode=mode, timeout=timeout, env_extra=env_extra)
+    return run_child(load_task(spec, snapshot, prime, barrier, warm), mode=mode, timeout=timeout, env_extra=env_extra)
 
 
 def measure_floors(spec: LoadSpec, timeout=None, prime: int = 0) -> dict:
