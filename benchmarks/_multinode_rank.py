@@ -15,12 +15,12 @@ def main():
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
 
-    import ms_loadpatch
     import mindspore as ms
     import numpy as np
     from mindspore import ops
     from mindspore.communication import get_rank, init
 
+    import ms_loadpatch
     from ms_loadpatch.testing import cpu_kernel_fallbacks
 
     ms.set_context(mode=ms.PYNATIVE_MODE)

@@ -27,11 +27,11 @@ import statistics
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from ms_loadpatch.tools import bench  # noqa: E402
-
 from bench_diffusers import SIZES as DIFFUSERS_SIZES  # noqa: E402
 from bench_transformers import SIZES, generate  # noqa: E402
 from moe_families import families  # noqa: E402
+
+from ms_loadpatch.tools import bench  # noqa: E402
 
 
 def checkpoint(case: str) -> str:

@@ -31,6 +31,7 @@ import statistics
 import sys
 
 from common import script_result
+
 from ms_loadpatch.tools import bench
 
 UNET = {

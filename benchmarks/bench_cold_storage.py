@@ -34,11 +34,11 @@ import tempfile
 from concurrent.futures import ThreadPoolExecutor
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from ms_loadpatch.tools import bench, cold  # noqa: E402
-from ms_loadpatch.tools.slow_storage import SlowStorage, StorageSettings  # noqa: E402
-
 from bench_build_then_fill import UNET  # noqa: E402
 from bench_transformers import SIZES, bf16_copy  # noqa: E402
+
+from ms_loadpatch.tools import bench, cold  # noqa: E402
+from ms_loadpatch.tools.slow_storage import SlowStorage, StorageSettings  # noqa: E402
 
 PARALLEL_THREADS = (8, 16, 32)
 

@@ -19,11 +19,10 @@ import statistics
 import subprocess
 import sys
 
-
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from ms_loadpatch.tools import bench  # noqa: E402
-
 from common import bench_main, bf16_copy, run_single, script_result  # noqa: E402
+
+from ms_loadpatch.tools import bench  # noqa: E402
 
 # "full": UNet2DConditionModel 356M params (SD-like, narrower), Flux-style
 # 283M, pipeline = that UNet + an SD VAE (84M) + a CLIP-L-sized text encoder (123M).

@@ -31,11 +31,11 @@ import sys
 import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from bench_transformers import SIZES  # noqa: E402
+
 from ms_loadpatch.tools import bench, cold  # noqa: E402
 from ms_loadpatch.tools.nodes import NodesJob  # noqa: E402
 from ms_loadpatch.tools.slow_storage import SlowStorage, StorageSettings  # noqa: E402
-
-from bench_transformers import SIZES  # noqa: E402
 
 RANK_SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_multinode_rank.py")
 

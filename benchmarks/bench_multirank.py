@@ -29,10 +29,10 @@ import tempfile
 from concurrent.futures import ThreadPoolExecutor
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from bench_transformers import SIZES  # noqa: E402
+
 from ms_loadpatch.strategy.ranks import available_cores  # noqa: E402
 from ms_loadpatch.tools import bench  # noqa: E402
-
-from bench_transformers import SIZES  # noqa: E402
 
 SIDES = {  # name -> (mode, extra environment per rank given N)
     "unpatched": ("unpatched", lambda n: {"MS_LOADPATCH_LOCAL_RANKS": str(n)}),

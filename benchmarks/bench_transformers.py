@@ -18,10 +18,10 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from ms_loadpatch.tools import bench  # noqa: E402
-
 from common import bench_main, bf16_copy, run_single  # noqa: E402
 from moe_families import families  # noqa: E402
+
+from ms_loadpatch.tools import bench  # noqa: E402
 
 # "full": Qwen2-0.5B's real shape (494M parameters, 2 GB in fp32, 4 shards) and
 # a Mixtral-style MoE with 18.8k tensors (48 layers x 128 experts x 3 + attention).

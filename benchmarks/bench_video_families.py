@@ -30,10 +30,10 @@ import sys
 import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from ms_loadpatch.tools import bench  # noqa: E402
-
 from bench_diffusers import bench_pipeline, measure_pipeline  # noqa: E402
 from common import format_summary, summary_row  # noqa: E402
+
+from ms_loadpatch.tools import bench  # noqa: E402
 
 # "full": the published configs (THUDM/CogVideoX-2b and -5b, google/t5-v1_1-xxl's
 # encoder, Wan-AI/Wan2.1-T2V-1.3B-Diffusers); "small": the same layouts, tiny.

@@ -12,6 +12,7 @@ import subprocess
 import sys
 
 import numpy as np
+
 from ms_loadpatch.tools import bench
 
 

@@ -62,14 +62,13 @@ MANY_TENSORS = 10_000
 
 def prepare(root):
     """Write every target's checkpoint under `root` (plugin off); return {target: (load, file to break)}."""
-    import numpy as np
-    from safetensors.numpy import save_file
-
     import mindone.diffusers as md
     import mindone.diffusers.models.model_loading_utils as df_loading
     import mindone.transformers as mt
     import mindone.transformers.modeling_utils as tf_utils
+    import numpy as np
     import transformers as hf
+    from safetensors.numpy import save_file
 
     qwen2 = hf.Qwen2Config(
         vocab_size=128,
@@ -395,7 +394,7 @@ def run_case(targets, scratch, target, mutations):
     from ms_loadpatch import core
 
     threads = {t.ident for t in threading.enumerate()}
-    states = {key: state for key, (state, _) in core._PATCHER._states.items()}
+    states = {key: entry.state for key, entry in core._PATCHER._states.items()}
     reading = "-read-" in target
     if reading:
         tracemalloc.start()

@@ -59,6 +59,7 @@ import time
 import traceback
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(1, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
 
 # Test-sized models have tens of cells: fast construction engages from the
 # first one (as in the test suite), so every load exercises it.
@@ -102,62 +103,25 @@ KIND_NAMES = ["qwen2", "qwen2-sharded", "mixtral", "vae", "unet", "bad", "bad-va
 
 
 def _classes():
-    import transformers as hf
-
     import mindone.diffusers as md
     import mindone.transformers as mt
 
+    # the tests' tiny configs (tests/_helpers.py), Mixtral with more experts
+    from _helpers import tiny_qwen2_config, tiny_transformers, tiny_unet, tiny_vae
+
     def qwen2():
-        return mt.Qwen2ForCausalLM(
-            hf.Qwen2Config(
-                vocab_size=128,
-                hidden_size=32,
-                num_hidden_layers=2,
-                num_attention_heads=4,
-                num_key_value_heads=2,
-                intermediate_size=64,
-            )
-        )
+        return mt.Qwen2ForCausalLM(tiny_qwen2_config())
 
     def mixtral():
-        return mt.MixtralForCausalLM(
-            hf.MixtralConfig(
-                vocab_size=128,
-                hidden_size=32,
-                num_hidden_layers=2,
-                num_attention_heads=4,
-                num_key_value_heads=2,
-                intermediate_size=16,
-                num_local_experts=32,
-                num_experts_per_tok=2,
-            )
-        )
+        config = tiny_transformers("mixtral")["mixtral"][1]()
+        config.num_local_experts = 32
+        return mt.MixtralForCausalLM(config)
 
     def vae():
-        return md.AutoencoderKL(
-            block_out_channels=[4, 8],
-            in_channels=3,
-            out_channels=3,
-            down_block_types=["DownEncoderBlock2D"] * 2,
-            up_block_types=["UpDecoderBlock2D"] * 2,
-            latent_channels=4,
-            norm_num_groups=4,
-            sample_size=16,
-        )
+        return md.AutoencoderKL(**tiny_vae())
 
     def unet():
-        return md.UNet2DConditionModel(
-            block_out_channels=(4, 8),
-            layers_per_block=1,
-            sample_size=8,
-            in_channels=4,
-            out_channels=4,
-            down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"),
-            up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"),
-            cross_attention_dim=8,
-            norm_num_groups=4,
-            attention_head_dim=2,
-        )
+        return md.UNet2DConditionModel(**tiny_unet())
 
     # directory -> (build the model, save_pretrained kwargs); class to load each directory with
     builds = {
@@ -458,8 +422,8 @@ def leftover_state(before_threads, before_states):
 
     from ms_loadpatch import core
     from ms_loadpatch.strategy import building
-    from ms_loadpatch.strategy.load import Load
     from ms_loadpatch.strategy.building.lazy import CONSTRUCTION_LOCK
+    from ms_loadpatch.strategy.load import Load
 
     found, notes = [], []
     found += [f"building.leftovers(): {item}" for item in building.leftovers()]
@@ -484,7 +448,7 @@ def leftover_state(before_threads, before_states):
         found.append("a load is still current in the main thread")
     if not ms_loadpatch.is_enabled():
         found.append("the plugin is not enabled after the run")
-    after_states = {key: state for key, (state, _) in core._PATCHER._states.items()}
+    after_states = {key: entry.state for key, entry in core._PATCHER._states.items()}
     if after_states != before_states:
         changed = {
             k: (before_states.get(k), after_states.get(k))
@@ -492,7 +456,7 @@ def leftover_state(before_threads, before_states):
             if before_states.get(k) != after_states.get(k)
         }
         found.append(f"target states changed: {changed}")
-    for key, handle in core._PATCHER._handles.items():
+    for key, (_, handle) in core._PATCHER._handles.items():
         target = next(t for t in core.TARGETS if t.key == key)
         _, _, installed = wrapt.resolve_path(sys.modules[target.module], target.path)
         if installed is not handle:
@@ -611,7 +575,7 @@ def main(argv=None):
             from ms_loadpatch.strategy.load import Load
 
             before_threads = {t.ident for t in threading.enumerate()}
-            before_states = {key: state for key, (state, _) in core._PATCHER._states.items()}
+            before_states = {key: entry.state for key, entry in core._PATCHER._states.items()}
             log("threads before the run: " + ", ".join(sorted(t.name for t in threading.enumerate())))
 
             counting = wrapt.scoped_function_wrapper(Load, "running", _count_accelerated)

@@ -1,5 +1,6 @@
 """How a glue wrapper reads the call it wraps: an argument by its name, where
-ever the caller put it, and whether the call runs inside an accelerated load.
+ever the caller put it; and the one wrapper (`on_load`) that hands a call of
+mindone's loading path to the method of the load running it.
 
 Positions come from the wrapped function's own signature (mindone's or
 mindspore's, read once per function), so a wrapper names the parameter it
@@ -9,7 +10,6 @@ not a silent default.
 
 from __future__ import annotations
 
-import functools
 import inspect
 
 _positions_by_code: dict = {}
@@ -62,19 +62,81 @@ def with_argument(wrapped, args, kwargs, name: str, value):
     return args, {**kwargs, name: value}
 
 
-def inside_load(active):
-    """Decorates a wrapper `wrapper(load, wrapped, instance, args, kwargs)` run
-    only inside the load `active()` returns (the load, or None): anywhere
-    else the call goes straight through."""
+class Call:
+    """One call of a function of mindone's loading path, handed to the load
+    method that models it: its arguments by name, and the call itself."""
 
-    def decorate(wrapper):
-        @functools.wraps(wrapper)
-        def gated(wrapped, instance, args, kwargs):
-            load = active()
-            if load is None:
+    __slots__ = ("wrapped", "instance", "args", "kwargs")
+
+    def __init__(self, wrapped, instance, args, kwargs):
+        self.wrapped, self.instance, self.args, self.kwargs = wrapped, instance, args, kwargs
+
+    def __call__(self):
+        """The call as it is (the library's own code)."""
+        return self.wrapped(*self.args, **self.kwargs)
+
+    def argument(self, name: str, default=None):
+        return argument(self.wrapped, self.args, self.kwargs, name, default)
+
+    def arguments(self, *names: str) -> tuple:
+        return arguments(self.wrapped, self.args, self.kwargs, *names)
+
+    def with_argument(self, name: str, value) -> Call:
+        """The same call with parameter `name` set to `value`."""
+        return Call(self.wrapped, self.instance, *with_argument(self.wrapped, self.args, self.kwargs, name, value))
+
+    @property
+    def count(self) -> int:
+        """How many arguments the caller passed."""
+        return len(self.args) + len(self.kwargs)
+
+
+class CallForm:
+    """What a load method models of the call it handles: `accepts(load,
+    call)` true for the calls it models (None: every call), `fingerprint`
+    the library function (fingerprints key) whose source it repeats, and
+    `active`, the kind's classmethod giving the load it acts in."""
+
+    __slots__ = ("accepts", "fingerprint", "active")
+
+    def __init__(self, accepts=None, fingerprint: str | None = None, active: str = "current"):
+        self.accepts, self.fingerprint, self.active = accepts, fingerprint, active
+
+
+def handles(accepts=None, fingerprint: str | None = None, active: str = "current"):
+    """Declares a method `method(self, call)` of a load kind the handler of
+    one function of mindone's loading path (a targets.TARGETS row naming
+    "module:Kind.method"); `on_load` makes its wrapper."""
+
+    def declare(method):
+        method.call_form = CallForm(accepts, fingerprint, active)
+        return method
+
+    return declare
+
+
+def on_load(kind, name: str):
+    """The wrapper of a row naming `kind.name`: the load running in this
+    thread (the kind's `active`), the fingerprint and call-form checks, then
+    the method with the call; a call outside such a load, or of a form the
+    method does not model, goes straight through."""
+    method = getattr(kind, name)
+    form = method.call_form
+    active = getattr(kind, form.active)
+
+    def on_load_wrapper(wrapped, instance, args, kwargs):
+        load = active()
+        if load is None:
+            return wrapped(*args, **kwargs)
+        call = Call(wrapped, instance, args, kwargs)
+        if form.accepts is not None and not form.accepts(load, call):
+            return wrapped(*args, **kwargs)
+        if form.fingerprint is not None:
+            from . import fingerprints  # its probes import the libraries: only once a load runs
+
+            if fingerprints.changed(form.fingerprint):
                 return wrapped(*args, **kwargs)
-            return wrapper(load, wrapped, instance, args, kwargs)
+        return method(load, call)
 
-        return gated
-
-    return decorate
+    on_load_wrapper.__qualname__ = f"on_load({kind.__name__}.{name})"
+    return on_load_wrapper

@@ -121,7 +121,7 @@ def _print_status(report: dict) -> None:
             counts[row["state"]] = counts.get(row["state"], 0) + 1
         print(f"  internals of its loading path: {', '.join(f'{n} {state}' for state, n in counts.items())}")
         for row in internal:
-            if row["state"] != "patched" and row["reason"] and not row["reason"].startswith("refused"):
+            if row["state"] != "patched" and row["reason"] and not row["refused"]:  # the refusal is printed once
                 print(f"    {row['state']:10} {row['target'].split(':', 1)[1]}  ({row['reason']})")
     if report["techniques"]:
         print(f"\ntechniques (probed on mindspore {report['versions']['mindspore']}):")
@@ -276,7 +276,7 @@ def build_parser() -> argparse.ArgumentParser:
         "from_single_file instead of from_pretrained (mindone.diffusers models)",
     )
     bench.add_argument("--json", metavar="FILE", help="also write the results as JSON")
-    # 1 by default: each load is a fresh process paying ~7 s of imports, and
+    # 1 by default: each load is a fresh process paying mindone's imports, and
     # the no-argument bench must stay well under a minute on 2 cores
     bench.add_argument(
         "--repeats",

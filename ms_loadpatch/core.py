@@ -12,10 +12,11 @@ import importlib
 import logging
 import sys
 import threading
+import typing
 
 import wrapt
 
-from . import lazy_import, techniques, versions
+from . import calls, lazy_import, techniques, versions
 from .api_verdict import unmet_requirement
 from .targets import FROM_PRETRAINED, TARGETS, Target
 
@@ -27,9 +28,22 @@ SKIPPED = "skipped"
 NOT_NEEDED = "not needed"  # a row for a mindspore feature this mindspore does not have
 
 
+class TargetState(typing.NamedTuple):
+    state: str
+    reason: str
+    refused: bool = False  # skipped because the version gate refused the installed versions
+
+
 def _resolve_wrapper(spec: str):
-    module_name, _, attribute = spec.partition(":")
-    return getattr(importlib.import_module(module_name), attribute)
+    """The wrapper a row names: "module:function", or "module:Kind.method" for
+    a method of a load kind declared with calls.handles (calls.on_load)."""
+    module_name, _, path = spec.partition(":")
+    owner, obj = None, importlib.import_module(module_name)
+    for part in path.split("."):
+        owner, obj = obj, getattr(obj, part)
+    if isinstance(owner, type) and hasattr(obj, "call_form"):
+        return calls.on_load(owner, path.rsplit(".", 1)[1])
+    return obj
 
 
 class _Patcher:
@@ -40,7 +54,7 @@ class _Patcher:
         # target key -> (the module patched, the installed wrapper): the module itself, since
         # sys.modules may have dropped it by disable() (pytester's in-process runs do)
         self._handles: dict[str, tuple] = {}
-        self._states: dict[str, tuple[str, str]] = {}  # target key -> (state, reason)
+        self._states: dict[str, TargetState] = {}
         self._hooked_modules: set[str] = set()
         self._gate: versions.GateResult | None = None
         self._warned_refusal = False
@@ -85,7 +99,7 @@ class _Patcher:
             self._gate = gate
             if not self._gate.ok:
                 for target in self._targets:
-                    self._states[target.key] = (SKIPPED, f"refused: {self._gate.refusal}")
+                    self._states[target.key] = TargetState(SKIPPED, f"refused: {self._gate.refusal}", refused=True)
                 if not self._warned_refusal:
                     logger.warning("ms_loadpatch is not applied: %s", self._gate.refusal)
                     self._warned_refusal = True
@@ -97,7 +111,7 @@ class _Patcher:
                     self._apply_module(module, prepared[module_name])
                 else:
                     for target in self._targets_of(module_name):
-                        self._states[target.key] = (PENDING, "applied when the module is imported")
+                        self._states[target.key] = TargetState(PENDING, "applied when the module is imported")
             # after wrapt's finder is in place, so ours is first: mindone.transformers and
             # .models, when imported from now on, are lazy packages
             lazy_import.install()
@@ -119,7 +133,7 @@ class _Patcher:
                 if handle is not None:
                     if wrapt.unwrap_object(module, target.path, handle, missing_ok=True) is None:
                         logger.warning("%s was replaced by someone else; left as it is", target.key)
-                self._states[target.key] = (SKIPPED, "disabled")
+                self._states[target.key] = TargetState(SKIPPED, "disabled")
             lazy_import.uninstall()  # a package already lazy stays so: it gives the same objects
             self._enabled = False
 
@@ -153,9 +167,16 @@ class _Patcher:
         with self._lock:  # a snapshot; the probes run after it is released
             gate, enabled = self._gate, self._enabled
             targets = [
-                {"target": t.key, "library": t.library, "public": t.public, "state": s[0], "reason": s[1]}
+                {
+                    "target": t.key,
+                    "library": t.library,
+                    "public": t.public,
+                    "state": s.state,
+                    "reason": s.reason,
+                    "refused": s.refused,
+                }
                 for t in self._targets
-                for s in [self._states.get(t.key, (SKIPPED, "not enabled"))]
+                for s in [self._states.get(t.key, TargetState(SKIPPED, "not enabled"))]
             ]
         gate = gate or versions.check()
         return {
@@ -207,7 +228,7 @@ class _Patcher:
                 continue
             unmet, wrapper = prepared[target.key]
             if unmet is not None:
-                self._states[target.key] = (SKIPPED if unmet.needed else NOT_NEEDED, unmet.reason)
+                self._states[target.key] = TargetState(SKIPPED if unmet.needed else NOT_NEEDED, unmet.reason)
                 continue
             try:
                 if isinstance(wrapper, Exception):
@@ -223,10 +244,10 @@ class _Patcher:
                     )
                 self._handles[target.key] = (module, handle)
             except Exception as exc:  # a missing attribute must not break the user's import
-                self._states[target.key] = (SKIPPED, f"cannot patch: {exc}")
+                self._states[target.key] = TargetState(SKIPPED, f"cannot patch: {exc}")
                 logger.warning("ms_loadpatch: %s not patched: %s", target.key, exc)
                 continue
-            self._states[target.key] = (PATCHED, "")
+            self._states[target.key] = TargetState(PATCHED, "")
 
     def _strip_own_wrapper(self, module, target: Target) -> None:
         """A name bound by `from x import f` after x.f was patched holds our

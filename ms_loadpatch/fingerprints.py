@@ -14,6 +14,7 @@ from __future__ import annotations
 import hashlib
 import inspect
 import sys
+
 from .strategy.probe_cache import ProbeCache
 
 _TF = "mindone.transformers.modeling_utils"

@@ -19,7 +19,7 @@ Exactness rules the module follows (the eager import is the reference):
   besides what the `__init__` binds, the submodules that the modules it runs
   import (bound in their parent as a side effect) and that its star imports
   export, predicted from the installed sources on the first dir()
-  (_EagerImportScan, ~0.2 s, never at import);
+  (_EagerImportScan, never at import);
 - such a submodule, when it is a direct one, is imported on access (the very
   module the eager import binds); one a star import exports, or any
   submodule name when there is no prediction, resolves everything first, so

@@ -36,8 +36,3 @@ LOCK_ORDER = (
     # the job's collective probe, under the cooperative schedule's lock
     ("strategy.job", "_probes._lock"),
 )
-
-
-def rank(module: str, path: str) -> int:
-    """The position of a lock in LOCK_ORDER (a lock comes after every lower one)."""
-    return LOCK_ORDER.index((module, path))

@@ -29,7 +29,9 @@ _BUILD_INTO_MODEL = "ms_loadpatch.glue.build_then_fill:built_into_model"
 class Target:
     module: str
     path: str  # attribute path inside the module, e.g. "PreTrainedModel.from_pretrained"
-    wrapper: str  # "module:function" taking (wrapped, instance, args, kwargs)
+    # "module:function" taking (wrapped, instance, args, kwargs), or "module:Kind.method" for a
+    # method of a load kind declared with calls.handles (its wrapper: calls.on_load)
+    wrapper: str
     requires: dict = dataclasses.field(default_factory=lambda: dict(_SUPPORTED_MINDONE))
     # "function": wrapt.FunctionWrapper(original, wrapper); "proxy": `wrapper` is a
     # factory returning a wrapt.ObjectProxy of the original (for a non-callable)
@@ -64,20 +66,24 @@ TARGETS: tuple[Target, ...] = (
     # nn.Cell.to (a mindspore feature, api_verdict.FEATURES), which models resolve before ModuleUtilsMixin.to
     # (reached through modeling_utils' `nn`, so it is applied once mindone is imported);
     # it acts only inside an accelerated transformers load
-    Target(_TF, "nn.Cell.to", f"{_TF_GLUE}:cell_to", feature="cell_to"),
+    Target(_TF, "nn.Cell.to", f"{_TF_GLUE}:TransformersLoad.on_cell_to", feature="cell_to"),
     # nn.Cell.set_train, which from_pretrained calls last (also through modeling_utils' `nn`);
     # it acts only inside an accelerated transformers load
-    Target(_TF, "nn.Cell.set_train", f"{_TF_GLUE}:cell_set_train"),
+    Target(_TF, "nn.Cell.set_train", f"{_TF_GLUE}:TransformersLoad.on_cell_set_train"),
     # internals of its loading path, active only inside an accelerated from_pretrained
-    Target(_TF, "PreTrainedModel.__init__", f"{_TF_GLUE}:model_init"),
+    Target(_TF, "PreTrainedModel.__init__", f"{_TF_GLUE}:TransformersLoad.on_model_init"),
     Target(_TF, "PreTrainedModel.init_weights", f"{_TF_GLUE}:init_weights"),
-    Target(_TF, "PreTrainedModel.tie_weights", f"{_TF_GLUE}:tie_weights"),
-    Target(_TF, "PreTrainedModel._load_pretrained_model", f"{_TF_GLUE}:load_pretrained_model"),
-    Target(_TF, "_convert_state_dict", f"{_TF_GLUE}:convert_state_dict"),
-    Target(_TF, "_get_pt2ms_mappings", f"{_TF_GLUE}:pt2ms_mappings"),
-    Target(_TF, "_find_missing_and_unexpected_keys", f"{_TF_GLUE}:find_missing_and_unexpected_keys"),
-    Target(_TF, "_load_state_dict_into_model", f"{_TF_GLUE}:load_state_dict_into_model"),
-    # its `gc` name only (not the gc module): gc.collect() per shard costs ~0.2 s
+    Target(_TF, "PreTrainedModel.tie_weights", f"{_TF_GLUE}:TransformersLoad.on_tie_weights"),
+    Target(_TF, "PreTrainedModel._load_pretrained_model", f"{_TF_GLUE}:TransformersLoad.on_load_pretrained_model"),
+    Target(_TF, "_convert_state_dict", f"{_TF_GLUE}:TransformersLoad.on_convert_state_dict"),
+    Target(_TF, "_get_pt2ms_mappings", f"{_TF_GLUE}:TransformersLoad.on_get_pt2ms_mappings"),
+    Target(
+        _TF,
+        "_find_missing_and_unexpected_keys",
+        f"{_TF_GLUE}:TransformersLoad.on_find_missing_and_unexpected_keys",
+    ),
+    Target(_TF, "_load_state_dict_into_model", f"{_TF_GLUE}:TransformersLoad.on_load_state_dict_into_model"),
+    # its `gc` name only (not the gc module): a full gc.collect() per shard walks every live object
     Target(_TF, "gc", f"{_TF_GLUE}:GcWithoutPerShardCollect", kind="proxy"),
     # mindone.diffusers
     Target(_DF, "ModelMixin.from_pretrained", f"{_DF_GLUE}:from_pretrained", public=True),
@@ -139,9 +145,9 @@ TARGETS: tuple[Target, ...] = (
     Target("mindone.peft.peft_model", "PeftModel.from_pretrained", _BUILD_THEN_FILL, public=True, owner="transformers"),
     # internals of its loading path, active only inside an accelerated from_pretrained
     Target(_DF, "no_init_parameters", f"{_DF_GLUE}:no_init_parameters"),
-    Target(_DF, "ModelMixin._load_pretrained_model", f"{_DF_GLUE}:load_pretrained_model"),
-    Target(_DF, "_load_shard_file", f"{_DF_GLUE}:load_shard_file"),
-    Target(_DF, "_convert_state_dict", f"{_DF_GLUE}:convert_state_dict"),
+    Target(_DF, "ModelMixin._load_pretrained_model", f"{_DF_GLUE}:DiffusersLoad.on_load_pretrained_model"),
+    Target(_DF, "_load_shard_file", f"{_DF_GLUE}:DiffusersLoad.on_load_shard_file"),
+    Target(_DF, "_convert_state_dict", f"{_DF_GLUE}:DiffusersLoad.on_convert_state_dict"),
     # read once at import and raising when true: inside an accelerated load the
     # environment is read at call time instead
     Target(_DF, "HF_ENABLE_PARALLEL_LOADING", f"{_DF_GLUE}:ParallelLoadingFlag", kind="proxy"),

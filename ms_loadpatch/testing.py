@@ -182,6 +182,8 @@ def cpu_kernel_fallbacks(in_place: bool = True):
     from mindspore.ops.auto_generate import gen_ops_def
     from mindspore.ops.function import array_func, random_func
 
+    from .strategy.building.swaps import Swaps
+
     try:
         from mindspore.ops import tensor_method
     except ImportError:  # a mindspore whose tensor methods do not go through it
@@ -266,7 +268,7 @@ def cpu_kernel_fallbacks(in_place: bool = True):
             stack.enter_context(wrapt.scoped_function_wrapper(random_func, "inplace_normal_", inplace_normal))
             stack.enter_context(wrapt.scoped_function_wrapper(random_func, "inplace_uniform_op", inplace_uniform))
             stack.enter_context(wrapt.scoped_function_wrapper(gen_ops_def, "inplace_zero_op", inplace_zero))
-            stack.enter_context(_class_attribute(ms.Tensor, "fill_", fill_))
+            stack.enter_context(Swaps([(ms.Tensor, "fill_", fill_)]))
         stack.enter_context(wrapt.scoped_function_wrapper(ops, "embedding", embedding))
         stack.enter_context(wrapt.scoped_function_wrapper(ops, "rms_norm", rms_norm))
         yield
@@ -287,20 +289,6 @@ def _write_through(target, values):
         full = np.full(tuple(target.shape), values, np.float32) if np.isscalar(values) else values
         target.copy_(ms.Tensor(np.asarray(full, np.float32)).astype(target.dtype))
     return target
-
-
-@contextlib.contextmanager
-def _class_attribute(cls, name, value):
-    """cls.name set to value for the duration (deleted again where cls did not define it)."""
-    had, old = name in vars(cls), vars(cls).get(name)
-    setattr(cls, name, value)
-    try:
-        yield
-    finally:
-        if had:
-            setattr(cls, name, old)
-        else:
-            delattr(cls, name)
 
 
 def write_random_checkpoint(cls, config, directory, dtype="float32", max_shard_bytes=None, seed=0, std=0.02):

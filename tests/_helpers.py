@@ -64,6 +64,142 @@ def tiny_qwen2_config(**extra):
     )
 
 
+def tiny_transformers(*names) -> dict:
+    """name -> (mindone.transformers class, a function making its config)
+    for the tiny models of these families, in the order asked: dense (qwen2
+    with tied embeddings, llama), MoE (mixtral; qwen3_moe, qwen2_moe,
+    deepseek_v2 and olmoe, whose experts keep the config; granitemoe, with
+    fused experts), encoder-decoder (t5) and encoder (bert)."""
+    import mindone.transformers as mt
+    import transformers as hf
+
+    families = {
+        "qwen2": (mt.Qwen2ForCausalLM, lambda: tiny_qwen2_config(tie_word_embeddings=True)),
+        "mixtral": (
+            mt.MixtralForCausalLM,
+            lambda: hf.MixtralConfig(
+                vocab_size=128,
+                hidden_size=32,
+                num_hidden_layers=2,
+                num_attention_heads=4,
+                num_key_value_heads=2,
+                intermediate_size=16,
+                num_local_experts=8,
+                num_experts_per_tok=2,
+            ),
+        ),
+        # MoE families whose experts keep the config (`self.config = config`): copies must refer to the same object
+        "qwen3_moe": (
+            mt.Qwen3MoeForCausalLM,
+            lambda: hf.Qwen3MoeConfig(
+                vocab_size=128,
+                hidden_size=32,
+                num_hidden_layers=2,
+                num_attention_heads=4,
+                num_key_value_heads=2,
+                head_dim=8,
+                intermediate_size=64,
+                moe_intermediate_size=16,
+                num_experts=8,
+                num_experts_per_tok=2,
+            ),
+        ),
+        "qwen2_moe": (
+            mt.Qwen2MoeForCausalLM,
+            lambda: hf.Qwen2MoeConfig(  # a shared expert beside the routed ones
+                vocab_size=128,
+                hidden_size=32,
+                num_hidden_layers=2,
+                num_attention_heads=4,
+                num_key_value_heads=2,
+                intermediate_size=64,
+                moe_intermediate_size=16,
+                shared_expert_intermediate_size=32,
+                num_experts=8,
+                num_experts_per_tok=2,
+            ),
+        ),
+        "deepseek_v2": (
+            mt.DeepseekV2ForCausalLM,
+            lambda: hf.DeepseekV2Config(  # shared experts, another MLP class
+                vocab_size=128,
+                hidden_size=32,
+                num_hidden_layers=2,
+                num_attention_heads=4,
+                num_key_value_heads=2,
+                intermediate_size=64,
+                moe_intermediate_size=16,
+                n_routed_experts=8,
+                n_shared_experts=1,
+                num_experts_per_tok=2,
+                first_k_dense_replace=0,
+                kv_lora_rank=16,
+                q_lora_rank=None,
+                qk_rope_head_dim=8,
+                qk_nope_head_dim=8,
+                v_head_dim=8,
+                n_group=1,
+                topk_group=1,
+            ),
+        ),
+        "olmoe": (
+            mt.OlmoeForCausalLM,
+            lambda: hf.OlmoeConfig(
+                vocab_size=128,
+                hidden_size=32,
+                num_hidden_layers=2,
+                num_attention_heads=4,
+                num_key_value_heads=2,
+                intermediate_size=16,
+                num_experts=8,
+                num_experts_per_tok=2,
+            ),
+        ),
+        # experts fused into one Parameter over mint.empty (a fused family; its norms and experts are never lazy)
+        "granitemoe": (
+            mt.GraniteMoeForCausalLM,
+            lambda: hf.GraniteMoeConfig(
+                vocab_size=128,
+                hidden_size=32,
+                num_hidden_layers=6,
+                num_attention_heads=4,
+                num_key_value_heads=2,
+                intermediate_size=16,
+                num_local_experts=4,
+                num_experts_per_tok=2,
+            ),
+        ),
+        "t5": (
+            mt.T5ForConditionalGeneration,
+            lambda: hf.T5Config(vocab_size=128, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4),
+        ),
+        "bert": (
+            mt.BertModel,
+            lambda: hf.BertConfig(
+                vocab_size=128,
+                hidden_size=32,
+                num_hidden_layers=2,
+                num_attention_heads=4,
+                intermediate_size=64,
+                max_position_embeddings=64,
+            ),
+        ),
+        "llama": (
+            mt.LlamaForCausalLM,
+            lambda: hf.LlamaConfig(
+                vocab_size=128,
+                hidden_size=32,
+                num_hidden_layers=2,
+                num_attention_heads=4,
+                num_key_value_heads=2,
+                intermediate_size=64,
+                tie_word_embeddings=False,
+            ),
+        ),
+    }
+    return {name: families[name] for name in names}
+
+
 def tiny_vae() -> dict:
     """Keyword arguments of mindone.diffusers.AutoencoderKL for the tiny VAE (a new dict each call)."""
     return dict(

@@ -4,11 +4,11 @@ deferred-writes tests and their plain-wheel child processes."""
 
 import os
 
+import mindone.transformers as mt
 import mindspore as ms
 import transformers as hf
 from safetensors.numpy import load_file, save_file
 
-import mindone.transformers as mt
 from ms_loadpatch.testing import cpu_kernel_fallbacks
 
 _SMALL = dict(vocab_size=128, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)

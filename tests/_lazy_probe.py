@@ -50,7 +50,6 @@ def canonical(obj):
 
 def names_report():
     import mindone.transformers as mt
-
     import mindone.transformers.models as models
 
     report = {"type": type(mt).__name__, "dir_before": dir(mt), "models_dir_before": dir(models)}

@@ -14,10 +14,10 @@ import resource
 import sys
 import threading
 
+import mindone.transformers as mt
 import numpy as np
 import transformers as hf
 
-import mindone.transformers as mt
 import ms_loadpatch
 from ms_loadpatch.testing import assert_same_model, cpu_kernel_fallbacks, load_both, write_random_checkpoint
 

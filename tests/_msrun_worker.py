@@ -42,7 +42,6 @@ class _ReduceScatterOnCpu:
 def _train(model_dir, stage, steps, rank, group_size):
     import mindspore as ms
     import numpy as np
-
     from mindone.transformers import AutoModelForCausalLM
     from train_distributed import zero_train_step  # examples/: the example's own training step
 
@@ -122,10 +121,10 @@ def main():
             import ms_loadpatch
 
             ms_loadpatch.disable()  # imported for the CPU stand-ins only: this job loads unpatched
-        import ms_loadpatch
         from _process_state import process_state, random_state_digest  # this file's folder is on sys.path
-
         from mindone.transformers import AutoModelForCausalLM
+
+        import ms_loadpatch
 
         model_dir = args.model.replace("{rank}", str(rank)).replace(
             "{node}", os.environ.get("MS_LOADPATCH_NODE_ID", "")

@@ -13,14 +13,14 @@ import wrapt
 import ms_loadpatch
 from ms_loadpatch import core
 from ms_loadpatch.glue.build_then_fill import BuildThenFillCall
-from ms_loadpatch.strategy.load import Load
 from ms_loadpatch.strategy.building.lazy import CONSTRUCTION_LOCK
+from ms_loadpatch.strategy.load import Load
 
 
 def process_state() -> dict:
     return {
         "enabled": ms_loadpatch.is_enabled(),
-        "handles": dict(core._PATCHER._handles),
+        "handles": {key: handle for key, (_, handle) in core._PATCHER._handles.items()},
         "env": dict(os.environ),
         "modules": set(sys.modules),
     }

@@ -22,11 +22,14 @@ import sys
 
 case, directory = sys.argv[1], sys.argv[2]
 
-import ms_loadpatch  # noqa: E402,F401  (MS_LOADPATCH=0 leaves it off)
+# isort: split
+import ms_loadpatch  # noqa: E402,F401  (first, as a user's script; MS_LOADPATCH=0 leaves it off)
+
+# isort: split
 import mindspore as ms  # noqa: E402
 import numpy as np  # noqa: E402
-from ms_loadpatch.testing import cpu_kernel_fallbacks  # noqa: E402
 
+from ms_loadpatch.testing import cpu_kernel_fallbacks  # noqa: E402
 
 # case -> (mindone.transformers class, checkpoint directory under DIRECTORY)
 TRANSFORMERS = {

@@ -2,12 +2,12 @@
 Qwen2 and a VAE, each as one file and sharded (the `checkpoints` fixture,
 once per module), with the helpers that find their files and load them."""
 
-import mindspore as ms
-import pytest
-
-from _helpers import tiny_qwen2_config, tiny_vae
 import mindone.diffusers as md
 import mindone.transformers as mt
+import mindspore as ms
+import pytest
+from _helpers import tiny_qwen2_config, tiny_vae
+
 import ms_loadpatch
 from ms_loadpatch.testing import cpu_kernel_fallbacks
 

@@ -15,9 +15,9 @@ os.environ.setdefault("MS_LOADPATCH_FAST_CONSTRUCTION_FROM", "0")
 # Enabled before any test module imports mindone, as a user's `import
 # ms_loadpatch` at the top of a script: the whole suite runs with lazy
 # mindone.transformers (unless MS_LOADPATCH or MS_LOADPATCH_LAZY_IMPORT is off).
-import ms_loadpatch  # noqa: E402,F401
-
 from _helpers import run_python  # noqa: E402
+
+import ms_loadpatch  # noqa: E402,F401
 
 
 @pytest.fixture

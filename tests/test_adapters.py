@@ -9,12 +9,12 @@ generators): the same model, what the adapter file lacks included."""
 
 from __future__ import annotations
 
+import mindone.diffusers as md
 import mindspore as ms
 import numpy as np
 import pytest
-
 from _helpers import tiny_unet
-import mindone.diffusers as md
+
 import ms_loadpatch
 from ms_loadpatch.testing import assert_same_model, load_both
 
@@ -192,8 +192,8 @@ def test_bad_adapter_file_leaves_the_process_as_it_was():
 
 
 def _qwen2():
-    import transformers as hf
     import mindone.transformers as mt
+    import transformers as hf
 
     with ms_loadpatch.disabled():
         np.random.seed(5)

@@ -20,16 +20,20 @@ import shutil
 import struct
 import threading
 
+import mindone.transformers as mt
+import mindone.transformers.modeling_utils as tf_utils
 import numpy as np
 import pytest
+from _process_state import assert_state_restored, process_state, raised
+from _tiny_checkpoints import (
+    checkpoints,  # noqa: F401  (a fixture)
+    file_to_break,
+    load,
+    shards,
+)
 from safetensors import SafetensorError
 from safetensors.numpy import load_file
 
-from _process_state import assert_state_restored, process_state, raised
-from _tiny_checkpoints import checkpoints  # noqa: F401  (a fixture)
-from _tiny_checkpoints import file_to_break, load, shards
-import mindone.transformers as mt
-import mindone.transformers.modeling_utils as tf_utils
 import ms_loadpatch
 from ms_loadpatch.strategy.safetensors_header import CheckpointError
 from ms_loadpatch.testing import assert_same_model, load_both

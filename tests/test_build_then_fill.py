@@ -10,12 +10,12 @@ the same source tensors; a call failing halfway leaves the process as it was."""
 
 from __future__ import annotations
 
+import mindone.diffusers as md
 import mindspore as ms
 import numpy as np
 import pytest
-
 from _helpers import tiny_unet, tiny_vae, tiny_wan, tiny_wan_vae
-import mindone.diffusers as md
+
 import ms_loadpatch
 from ms_loadpatch.api_verdict import api_verdict
 from ms_loadpatch.testing import assert_same_model, load_both

@@ -5,10 +5,12 @@ resumes; left alone when switched off or when the application disabled gc.
 """
 
 import pytest
+from _building_helpers import (
+    checkpoints,  # noqa: F401  (a fixture)
+    seeded_load,
+)
 from mindspore import nn
 
-from _building_helpers import seeded_load
-from _building_helpers import checkpoints  # noqa: F401  (a fixture)
 from ms_loadpatch.strategy import building, reports
 from ms_loadpatch.testing import assert_same_model
 

@@ -8,8 +8,8 @@ catches a different tensor.
 import mindspore as ms
 import numpy as np
 import pytest
-
 from _building_helpers import ms_factory
+
 from ms_loadpatch.strategy import building
 from ms_loadpatch.strategy.building import probe, window
 from ms_loadpatch.strategy.building.construction import lazy_construction

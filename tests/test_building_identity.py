@@ -20,18 +20,18 @@ import os
 import mindspore as ms
 import numpy as np
 import pytest
-from mindspore import nn
-
 from _building_helpers import (
     DF_ARCHS,
     MOE_FAMILIES,
     TF_ARCHS,
     assert_same_state,
+    checkpoints,  # noqa: F401  (a fixture)
     seeded_load,
     sibling_clone_technique,
     techniques_off,
 )
-from _building_helpers import checkpoints  # noqa: F401  (a fixture)
+from mindspore import nn
+
 import ms_loadpatch
 from ms_loadpatch.strategy import building, reports
 from ms_loadpatch.strategy.building import state

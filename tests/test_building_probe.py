@@ -8,15 +8,17 @@ import copy
 import gc
 
 import pytest
+from _building_helpers import (
+    checkpoints,  # noqa: F401  (a fixture)
+    techniques_off,
+)
 from mindspore import nn
 
-from _building_helpers import techniques_off
-from _building_helpers import checkpoints  # noqa: F401  (a fixture)
-from ms_loadpatch.strategy.building.swaps import Swap
-from ms_loadpatch.strategy.probe_cache import ProbeCache
 from ms_loadpatch.strategy import building, reports, switch
 from ms_loadpatch.strategy.building import batched_draws, deferred_writes, init_pass, probe
 from ms_loadpatch.strategy.building.lazy import CONSTRUCTION_LOCK
+from ms_loadpatch.strategy.building.swaps import Swap
+from ms_loadpatch.strategy.probe_cache import ProbeCache
 from ms_loadpatch.testing import assert_same_model, load_both
 
 pytestmark = pytest.mark.usefixtures("cpu_kernels", "plugin_enabled")

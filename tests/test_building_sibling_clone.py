@@ -7,15 +7,21 @@ status() say about it.
 
 import re
 
+import mindone.transformers as mt
 import mindspore as ms
 import numpy as np
 import pytest
 import transformers as hf
+from _building_helpers import (
+    MOE_FAMILIES,
+    TF_ARCHS,
+    assert_same_state,
+    checkpoints,  # noqa: F401  (a fixture)
+    sibling_clone_technique,
+    techniques_off,
+)
 from mindspore import nn
 
-from _building_helpers import MOE_FAMILIES, TF_ARCHS, assert_same_state, sibling_clone_technique, techniques_off
-from _building_helpers import checkpoints  # noqa: F401  (a fixture)
-import mindone.transformers as mt
 import ms_loadpatch
 from ms_loadpatch import techniques
 from ms_loadpatch.strategy import building, reports

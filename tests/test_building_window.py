@@ -8,14 +8,17 @@ fast window and outside.
 import json
 import os
 
+import mindone.transformers as mt
 import mindspore as ms
 import pytest
 import transformers as hf
+from _building_helpers import (
+    checkpoints,  # noqa: F401  (a fixture)
+    ms_factory,
+    sibling_clone_technique,
+)
 from mindspore import nn
 
-from _building_helpers import ms_factory, sibling_clone_technique
-from _building_helpers import checkpoints  # noqa: F401  (a fixture)
-import mindone.transformers as mt
 import ms_loadpatch
 from ms_loadpatch.strategy import building
 from ms_loadpatch.strategy.building import window

@@ -4,7 +4,7 @@ wrappers that act only inside a load."""
 
 import pytest
 
-from ms_loadpatch.calls import argument, inside_load, with_argument
+from ms_loadpatch.calls import argument, handles, on_load, with_argument
 
 
 def loader(model, state_dict, files, *, dtype=None, keep=None):
@@ -56,14 +56,32 @@ def test_a_name_the_function_lacks_is_an_error():
         argument(loader, ("m",), {}, "resolved_archive_file")
 
 
-def test_inside_load_calls_through_without_a_load():
-    current = []
+def test_on_load_dispatches_to_the_load_method_for_the_calls_it_models():
+    """The one wrapper of the internal rows: straight through outside a load
+    of the kind, and for a call form the method does not model; else the
+    load's method with the call, its arguments by name."""
 
-    @inside_load(lambda: current[0] if current else None)
-    def wrapper(ctx, wrapped, instance, args, kwargs):
-        return ("accelerated", ctx, wrapped(*args, **kwargs))
+    class Kind:
+        running = None
 
+        @classmethod
+        def current(cls):
+            return cls.running
+
+        @handles(accepts=lambda load, call: call.argument("files") != "other.bin")
+        def on_loader(self, call):
+            return ("accelerated", self, call.argument("state_dict"), call.with_argument("state_dict", "sd2")())
+
+    wrapper = on_load(Kind, "on_loader")
     assert wrapper(loader, None, ("m", "sd", "f"), {}) == ("m", "sd", "f", None, None)
-    current.append("load")
-    assert wrapper(loader, None, ("m", "sd", "f"), {}) == ("accelerated", "load", ("m", "sd", "f", None, None))
-    assert wrapper.__name__ == "wrapper"
+    load = Kind.running = Kind()
+    assert wrapper(loader, None, ("m", "sd", "f"), {}) == ("accelerated", load, "sd", ("m", "sd2", "f", None, None))
+    assert wrapper(loader, None, ("m", "sd"), {"files": "other.bin"}) == ("m", "sd", "other.bin", None, None)
+
+
+def test_a_row_naming_a_load_method_resolves_to_its_dispatch():
+    from ms_loadpatch import core
+
+    wrapper = core._resolve_wrapper("ms_loadpatch.glue.transformers:TransformersLoad.on_convert_state_dict")
+    assert wrapper.__qualname__ == "on_load(TransformersLoad.on_convert_state_dict)"
+    assert core._resolve_wrapper("ms_loadpatch.glue.transformers:to").__name__ == "to"

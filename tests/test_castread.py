@@ -11,18 +11,18 @@ import os
 import struct
 import threading
 
+import mindone.transformers as mt
 import mindspore as ms
 import numpy as np
 import pytest
-
 from _helpers import tiny_qwen2_config
-import mindone.transformers as mt
-from ms_loadpatch.strategy.probe_cache import ProbeCache
+
 import ms_loadpatch
 from ms_loadpatch.strategy import castread, safetensors_header
 from ms_loadpatch.strategy.castread import CastPlan, read_cast
-from ms_loadpatch.strategy.reports import last_report
+from ms_loadpatch.strategy.probe_cache import ProbeCache
 from ms_loadpatch.strategy.reader import read_arrays
+from ms_loadpatch.strategy.reports import last_report
 from ms_loadpatch.strategy.safetensors_header import CheckpointError
 from ms_loadpatch.testing import assert_same_model, load_both, write_random_checkpoint
 

@@ -4,17 +4,17 @@ and written where mindspore would, without its per-cell exception. Checked
 against mindspore's own methods on trees with every case, through its probe,
 and in whole loads against unpatched mindone (object state compared)."""
 
+import mindone.transformers as mt
 import mindspore as ms
 import numpy as np
 import pytest
+from _helpers import tiny_qwen2_config
 from mindspore import nn
 
-from _helpers import tiny_qwen2_config
-import mindone.transformers as mt
-from ms_loadpatch.strategy.probe_cache import ProbeCache
 import ms_loadpatch
 from ms_loadpatch.strategy import building, cellpasses
 from ms_loadpatch.strategy.building import state
+from ms_loadpatch.strategy.probe_cache import ProbeCache
 from ms_loadpatch.strategy.reports import last_report
 from ms_loadpatch.testing import assert_same_model, cpu_kernel_fallbacks
 

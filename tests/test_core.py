@@ -7,8 +7,8 @@ import sys
 import textwrap
 
 import pytest
-
 from _helpers import installed_pth, report_of, run_python
+
 from ms_loadpatch.targets import TARGETS
 
 pytestmark = pytest.mark.matrix
@@ -97,9 +97,9 @@ def test_status_lists_patched_targets():
 
 @pytest.mark.parametrize("fake", [{"mindspore": "2.6.0"}, {"mindone": "0.4.0"}, {"mindspore": "3.0.0"}])
 def test_gate_refuses_unsupported_version(monkeypatch, caplog, fake):
+    import mindone.transformers.modeling_utils as mu
     from packaging.version import Version
 
-    import mindone.transformers.modeling_utils as mu
     from ms_loadpatch import core, versions
 
     real = versions.installed_version
@@ -123,6 +123,7 @@ def test_gate_refuses_unsupported_version(monkeypatch, caplog, fake):
 
 def test_target_requirement_skips_with_reason(monkeypatch):
     import mindone.transformers.modeling_utils  # noqa: F401
+
     from ms_loadpatch import core
     from ms_loadpatch.targets import Target
 

@@ -16,15 +16,14 @@ import sys
 import mindspore as ms
 import numpy as np
 import pytest
+from _in_place_families import FAMILIES, WRITES_IN_PLACE, save_family
 
-from ms_loadpatch.strategy.probe_cache import ProbeCache
 import ms_loadpatch
 from ms_loadpatch.strategy import building
 from ms_loadpatch.strategy.building import deferred_writes
+from ms_loadpatch.strategy.probe_cache import ProbeCache
 from ms_loadpatch.strategy.reports import last_report
 from ms_loadpatch.testing import assert_same_model, cpu_kernel_fallbacks, load_both
-
-from _in_place_families import FAMILIES, WRITES_IN_PLACE, save_family
 
 
 @pytest.fixture(scope="module")

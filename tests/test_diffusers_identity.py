@@ -24,8 +24,6 @@ import pytest
 ms = pytest.importorskip("mindspore")
 D = pytest.importorskip("mindone.diffusers")
 
-from mindspore import mint  # noqa: E402
-
 from _helpers import (  # noqa: E402
     flux_cpu_routes,
     tiny_cogvideox,
@@ -38,6 +36,8 @@ from _helpers import (  # noqa: E402
     tiny_wan,
     tiny_wan_vae,
 )
+from mindspore import mint  # noqa: E402
+
 import ms_loadpatch  # noqa: E402
 from ms_loadpatch.glue import diffusers as glue  # noqa: E402
 from ms_loadpatch.strategy import load as strategy_load  # noqa: E402

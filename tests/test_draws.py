@@ -8,20 +8,20 @@ import os
 import random
 import threading
 
+import mindone.transformers as mt
 import mindspore as ms
 import numpy as np
 import pytest
 import transformers as hf
+from _helpers import tiny_qwen2_config
 from mindspore import nn
 from mindspore.common.initializer import Initializer, Normal, initializer
 from safetensors.numpy import load_file, save_file
 
-from _helpers import tiny_qwen2_config
-import mindone.transformers as mt
-from ms_loadpatch.strategy.probe_cache import ProbeCache
 from ms_loadpatch.strategy import building
 from ms_loadpatch.strategy.building import batched_draws, draws, init_pass, replays
 from ms_loadpatch.strategy.building.lazy import lazy_parameters
+from ms_loadpatch.strategy.probe_cache import ProbeCache
 from ms_loadpatch.strategy.reports import last_report
 from ms_loadpatch.testing import assert_same_model, cpu_kernel_fallbacks, load_both
 

@@ -13,22 +13,24 @@ import os
 import threading
 import time
 
-import mindspore as ms
-import pytest
-import transformers as hf
-
-from _helpers import tiny_qwen2_config, tiny_unet, tiny_vae
 import mindone.diffusers as md
 import mindone.transformers as mt
 import mindone.transformers.modeling_utils as tf_utils
+import mindspore as ms
+import pytest
+import transformers as hf
+from _helpers import tiny_qwen2_config, tiny_unet, tiny_vae
+from _process_state import assert_state_restored, process_state, raised
+
 import ms_loadpatch
+from ms_loadpatch.glue import diffusers as df_glue
+from ms_loadpatch.glue import transformers as tf_glue
 from ms_loadpatch.glue.build_then_fill import _CALLS, BuildThenFillCall
+from ms_loadpatch.strategy import load as strategy_load
 from ms_loadpatch.strategy import prefetch, reader, reports
 from ms_loadpatch.strategy.building.lazy import CONSTRUCTION_LOCK
-from ms_loadpatch.strategy import load as strategy_load
 from ms_loadpatch.strategy.load import _LOADS, Load
 from ms_loadpatch.testing import assert_same_model, compare, cpu_kernel_fallbacks, load_both, snapshot
-from _process_state import assert_state_restored, process_state, raised
 
 # name -> (class, config, file dtype, max shard size, dtype asked at load)
 SPECS = {
@@ -168,13 +170,13 @@ class _Abort(BaseException):
 @pytest.mark.parametrize("exception", [RuntimeError, _Abort])
 def test_fault_during_assignment(models, monkeypatch, exception):
     """assign() fails after putting the first tensor of a shard in place."""
-    real = strategy_load.assign
+    real = tf_glue.assign
 
-    def failing(pairs, loaded, report, cast_at_read):
-        real(pairs[:1], loaded, report, cast_at_read)
+    def failing(pairs, report, cast_at_read):
+        real(pairs[:1], report, cast_at_read)
         raise exception("injected assignment failure")
 
-    monkeypatch.setattr(strategy_load, "assign", failing)
+    monkeypatch.setattr(tf_glue, "assign", failing)
     load, _ = models["qwen2"]
     before = process_state()
     with pytest.raises(exception, match="injected assignment failure"):
@@ -190,7 +192,7 @@ def test_fault_while_initialising_missing_weights(models, monkeypatch):
     def failing(*args, **kwargs):
         raise RuntimeError("injected init failure")
 
-    monkeypatch.setattr(strategy_load, "initialize_unloaded", failing)
+    monkeypatch.setattr(tf_glue, "initialize_unloaded", failing)
     load, _ = models["llama"]
     before = process_state()
     with pytest.raises(RuntimeError, match="injected init failure"):
@@ -337,7 +339,7 @@ def test_report_reads_its_build_under_the_construction_lock(models, monkeypatch,
 
 @pytest.mark.parametrize(
     "name, pause_at",
-    [("qwen2", (strategy_load, "assign")), ("unet", (strategy_load, "assign_in_final_dtype"))],
+    [("qwen2", (tf_glue, "assign")), ("unet", (df_glue, "assign_in_final_dtype"))],
     ids=["transformers", "diffusers"],
 )
 def test_disable_during_in_flight_load(models, monkeypatch, name, pause_at):

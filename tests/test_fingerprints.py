@@ -3,17 +3,16 @@ the hash of their source; a library whose function differs loads on
 mindone's own path (the same model), its wrappers call the original, and
 status() names the function."""
 
-import pytest
-
 import mindone.diffusers as md
 import mindone.transformers as mt
+import pytest
+from _helpers import tiny_qwen2_config, tiny_vae
+
 import ms_loadpatch
 from ms_loadpatch import fingerprints
 from ms_loadpatch.glue import common
 from ms_loadpatch.strategy import reports
 from ms_loadpatch.testing import assert_same_model, cpu_kernel_fallbacks
-
-from _helpers import tiny_qwen2_config, tiny_vae
 
 pytestmark = pytest.mark.usefixtures("cpu_kernels", "plugin_enabled")
 

@@ -20,17 +20,21 @@ import threading
 import time
 
 import pytest
+from _process_state import assert_state_restored, process_state
+from _tiny_checkpoints import (
+    checkpoints,  # noqa: F401  (a fixture)
+    file_to_break,
+    load,
+    shards,
+)
 from safetensors.numpy import load_file, save_file
 
 import ms_loadpatch
-from ms_loadpatch.strategy import load as strategy_load
+from ms_loadpatch.glue import diffusers as df_glue
+from ms_loadpatch.glue import transformers as tf_glue
 from ms_loadpatch.strategy import safetensors_header, threaded_read
 from ms_loadpatch.strategy.safetensors_header import CheckpointError
 from ms_loadpatch.testing import assert_same_model, load_both
-
-from _process_state import assert_state_restored, process_state
-from _tiny_checkpoints import checkpoints  # noqa: F401  (a fixture)
-from _tiny_checkpoints import file_to_break, load, shards
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 pytestmark = pytest.mark.usefixtures("cpu_kernels", "plugin_enabled", "ctrl_c_raises")
@@ -93,17 +97,17 @@ def _interrupt_at(point, library, monkeypatch, interrupt, slow_read_seconds=0.5)
         monkeypatch.setattr(threaded_read, "_pread_into", pread)
     elif point == "assign":  # after part of the tensors went into the model
         if library == "tf":
-            real_assign = strategy_load.assign
+            real_assign = tf_glue.assign
 
-            def assign(pairs, loaded, report, cast_at_read):
+            def assign(pairs, report, cast_at_read):
                 pairs = list(pairs)
-                real_assign(pairs[: len(pairs) // 2], loaded, report, cast_at_read)
+                real_assign(pairs[: len(pairs) // 2], report, cast_at_read)
                 interrupt.hit()
-                real_assign(pairs[len(pairs) // 2 :], loaded, report, cast_at_read)
+                real_assign(pairs[len(pairs) // 2 :], report, cast_at_read)
 
-            monkeypatch.setattr(strategy_load, "assign", assign)
+            monkeypatch.setattr(tf_glue, "assign", assign)
         else:
-            real_assign = strategy_load.assign_in_final_dtype
+            real_assign = df_glue.assign_in_final_dtype
 
             def assign(index, state_dict, *rest):
                 names = list(state_dict)
@@ -111,9 +115,9 @@ def _interrupt_at(point, library, monkeypatch, interrupt, slow_read_seconds=0.5)
                 interrupt.hit()
                 real_assign(index, {n: state_dict[n] for n in names[len(names) // 2 :]}, *rest)
 
-            monkeypatch.setattr(strategy_load, "assign_in_final_dtype", assign)
+            monkeypatch.setattr(df_glue, "assign_in_final_dtype", assign)
     elif point == "init-missing":  # while the weights the checkpoint lacks are initialised
-        module, name = strategy_load, "initialize_unloaded"
+        module, name = tf_glue, "initialize_unloaded"
         real_init = getattr(module, name)
 
         def initialize(*args, **kwargs):
@@ -188,10 +192,10 @@ def _cold_plan(patch, directory):
     small chunks among its threads; the plans chosen, in a list. Taken for
     cold, too: mindone's own look at a single file's header may bring all
     of a file this small into the page cache before the read."""
+    import gc
+
     from ms_loadpatch.strategy import prefetch
     from ms_loadpatch.tools import cold
-
-    import gc
 
     gc.collect()  # a model of an earlier load may map the files
     assert cold.evict(shards(directory)) == 0.0

@@ -3,14 +3,14 @@ and loads that take its prefix paths: a base model from a task checkpoint and
 a task model from a base checkpoint, patched against unpatched."""
 
 import mindone.diffusers.models.modeling_utils as df_modeling_utils
+import mindone.transformers as mt
 import mindone.transformers.modeling_utils as tf_modeling_utils
 import mindspore as ms
 import numpy as np
 import pytest
-
-import mindone.transformers as mt
-import ms_loadpatch
 from _helpers import tiny_qwen2_config
+
+import ms_loadpatch
 from ms_loadpatch.strategy.keys import mapped_keys, prefixed_keys
 from ms_loadpatch.strategy.reports import last_report
 from ms_loadpatch.testing import assert_same_model, cpu_kernel_fallbacks, load_both

@@ -17,15 +17,14 @@ import sys
 import textwrap
 import types
 
-import pytest
-
-from _helpers import TESTS_DIR, report_of, run_python, tiny_qwen2_config
-from ms_loadpatch import eager_import_scan, lazy_import, versions
-
 # Imported at collection, with conftest's plugin on, as a script importing
 # ms_loadpatch first does: the packages this suite's tests use are the lazy
 # ones whatever test ran earlier in the process (some disable the plugin).
 import mindone.transformers.models  # noqa: E402,F401
+import pytest
+from _helpers import TESTS_DIR, report_of, run_python, tiny_qwen2_config
+
+from ms_loadpatch import eager_import_scan, lazy_import, versions
 
 PROBE = os.path.join(TESTS_DIR, "_lazy_probe.py")
 

@@ -44,10 +44,9 @@ def test_fuzz_slice():
 
 def test_mutations_change_the_file():
     """The harness breaks what it says: each header edit gives other bytes, the last entry's."""
+    import fuzz_loads
     import numpy as np
     from safetensors.numpy import save
-
-    import fuzz_loads
 
     blob = save({"a": np.zeros(4, np.float32), "b": np.ones(3, np.float16)}, metadata={"format": "pt"})
     header, _ = fuzz_loads._split(blob)
@@ -63,8 +62,9 @@ def test_broken_index_error_names_the_index(tmp_path):
     """A shard index that is not JSON: mindone's JSONDecodeError says where
     the text broke; the patched load's, the same type, names the index too."""
     import mindone.transformers as mt
-    import ms_loadpatch
     from _helpers import tiny_qwen2_config
+
+    import ms_loadpatch
     from ms_loadpatch.testing import cpu_kernel_fallbacks
 
     with ms_loadpatch.disabled(), cpu_kernel_fallbacks():
@@ -96,12 +96,12 @@ def test_unknown_metadata_format_error_names_the_file(tmp_path):
     """A single file whose metadata format mindone does not know: its
     ValueError says only the format; the patched one, the same type and
     text, names the file too."""
+    import mindone.transformers as mt
     import numpy as np
+    from _helpers import tiny_qwen2_config
     from safetensors.numpy import load_file, save_file
 
-    import mindone.transformers as mt
     import ms_loadpatch
-    from _helpers import tiny_qwen2_config
 
     with ms_loadpatch.disabled():
         mt.Qwen2ForCausalLM(tiny_qwen2_config()).save_pretrained(tmp_path)
@@ -124,12 +124,12 @@ def test_extra_trailing_ones_load_as_unpatched(tmp_path):
     load_param_into_net takes it, and the parameter ends with the file's
     shape; the patched load gives the same model. With another element count
     both raise numpy's ValueError."""
+    import mindone.diffusers as md
     import numpy as np
+    from _helpers import tiny_vae
     from safetensors.numpy import load_file, save_file
 
-    import mindone.diffusers as md
     import ms_loadpatch
-    from _helpers import tiny_vae
     from ms_loadpatch.testing import assert_same_model, load_both
 
     with ms_loadpatch.disabled():
@@ -153,12 +153,11 @@ def test_extra_trailing_ones_load_as_unpatched(tmp_path):
 
 def test_mutation_chains_never_break_the_harness():
     """Any chain of mutations gives bytes: a harness error would end a long run early."""
+    import fuzz_loads
     import numpy as np
     from hypothesis import example, given, settings
     from hypothesis import strategies as st
     from safetensors.numpy import save
-
-    import fuzz_loads
 
     blob = save({"a": np.zeros(4, np.float32), "b": np.ones((2, 3), np.float16)}, metadata={"format": "pt"})
 

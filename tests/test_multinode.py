@@ -22,12 +22,11 @@ import time
 from pathlib import Path
 
 import pytest
+from _helpers import assert_same_arrays, npz_arrays
 
 from ms_loadpatch.strategy.shares import read_layouts
 from ms_loadpatch.tools import slow_storage
 from ms_loadpatch.tools.nodes import NodesJob
-
-from _helpers import assert_same_arrays, npz_arrays
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 WORKER = os.path.join(HERE, "_msrun_worker.py")

@@ -19,11 +19,10 @@ import subprocess
 import sys
 
 import pytest
+from _helpers import assert_same_arrays, installed_pth, npz_arrays
 
 from ms_loadpatch.strategy.ranks import NodeShare, available_cores
 from ms_loadpatch.strategy.threaded_read import read_threads
-
-from _helpers import assert_same_arrays, installed_pth, npz_arrays
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 WORKER = os.path.join(HERE, "_msrun_worker.py")

@@ -7,16 +7,15 @@ import gc
 import logging
 import os
 
-import pytest
-
 import mindone.diffusers as md
 import mindone.transformers as mt
+import pytest
+from _helpers import tiny_qwen2_config, tiny_vae
+
 import ms_loadpatch
 from ms_loadpatch.strategy import page_cache, reports
 from ms_loadpatch.strategy.threaded_read import cold_read_plan
 from ms_loadpatch.testing import assert_same_model, cpu_kernel_fallbacks
-
-from _helpers import tiny_qwen2_config, tiny_vae
 
 pytestmark = pytest.mark.usefixtures("cpu_kernels", "plugin_enabled")
 

@@ -7,14 +7,13 @@ import os
 import sys
 import threading
 
-import pytest
-
 import mindone.transformers as mt
+import pytest
+from _helpers import tiny_qwen2_config
+
 import ms_loadpatch
 from ms_loadpatch.strategy import progress
 from ms_loadpatch.testing import assert_same_model, cpu_kernel_fallbacks
-
-from _helpers import tiny_qwen2_config
 
 pytestmark = pytest.mark.usefixtures("cpu_kernels", "plugin_enabled")
 

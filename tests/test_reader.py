@@ -7,13 +7,13 @@ inside tensors, the case a wrong offset would corrupt.
 
 import os
 
+import mindone.transformers as mt
 import mindspore as ms
 import numpy as np
 import pytest
+import transformers as hf
 from safetensors.numpy import load_file, save_file
 
-import mindone.transformers as mt
-import transformers as hf
 from ms_loadpatch.strategy import safetensors_header, threaded_read
 from ms_loadpatch.strategy.reader import read_arrays
 from ms_loadpatch.strategy.safetensors_header import CheckpointError

@@ -7,12 +7,12 @@ and unpatched calls in one process, from the same random state (load_both)."""
 
 from __future__ import annotations
 
+import mindone.diffusers as md
 import mindspore as ms
 import numpy as np
 import pytest
-
 from _helpers import tiny_unet, tiny_vae
-import mindone.diffusers as md
+
 import ms_loadpatch
 from ms_loadpatch.api_verdict import api_verdict
 from ms_loadpatch.testing import assert_same_model, load_both
@@ -25,10 +25,10 @@ pytestmark = pytest.mark.usefixtures("cpu_kernels", "plugin_enabled")
 def ldm_pipeline(tmp_path_factory):
     """A tiny Stable Diffusion pipeline saved (its configs) and its UNet, VAE
     and CLIP text encoder in one original-format file."""
+    import mindone.transformers as mt
     import transformers as hf
     from safetensors.numpy import save_file
 
-    import mindone.transformers as mt
     from ms_loadpatch.testing import cpu_kernel_fallbacks
 
     root = tmp_path_factory.mktemp("ldm-pipeline")
@@ -145,9 +145,8 @@ def test_clip_from_the_file_fails_as_unpatched(ldm_pipeline):
 @pytest.fixture(scope="module")
 def t5_checkpoint(tmp_path_factory):
     """A tiny T5 encoder's config, and its weights under SD3's original-format names."""
-    import transformers as hf
-
     import mindone.transformers as mt
+    import transformers as hf
 
     root = tmp_path_factory.mktemp("t5")
     with ms_loadpatch.disabled():

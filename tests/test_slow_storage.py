@@ -12,20 +12,18 @@ import subprocess
 import threading
 import time
 
-import pytest
-
 import mindone.transformers as mt
+import pytest
+from _helpers import tiny_qwen2_config
+from _process_state import assert_state_restored, process_state
+
 import ms_loadpatch
-from ms_loadpatch.strategy import reports
+from ms_loadpatch.strategy import reports, threaded_read
 from ms_loadpatch.strategy.safetensors_header import CheckpointError
-from ms_loadpatch.strategy import threaded_read
 from ms_loadpatch.strategy.threaded_read import cold_read_plan
 from ms_loadpatch.testing import assert_same_model, cpu_kernel_fallbacks
 from ms_loadpatch.tools import cold
 from ms_loadpatch.tools.slow_storage import SlowStorage, StorageSettings, unavailable
-
-from _helpers import tiny_qwen2_config
-from _process_state import assert_state_restored, process_state
 
 pytestmark = pytest.mark.usefixtures("cpu_kernels", "plugin_enabled")
 

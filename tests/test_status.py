@@ -10,9 +10,9 @@ import platform
 import textwrap
 
 import pytest
+from _helpers import report_of, run_python
 from packaging.version import Version
 
-from _helpers import report_of, run_python
 from ms_loadpatch import versions
 from ms_loadpatch.targets import TARGETS
 
@@ -38,7 +38,7 @@ MULTI_NODE_KEYS = {"env_var", "mode", "job_ranks", "node", "collective_probe"}
 PYTHON_KEYS = {"version", "supported", "tested", "tested_here"}
 LIBRARY_KEYS = {"accelerated", "reason", "advice"}
 TECHNIQUE_KEYS = {"name", "kind", "libraries", "description", "state", "reason"}
-TARGET_KEYS = {"target", "library", "public", "state", "reason"}
+TARGET_KEYS = {"target", "library", "public", "state", "reason", "refused"}
 IMPORT_KEYS = {"imported", "seconds", "errors"}
 ACTIVATION_KEYS = {"env_var", "env_value", "pth_installed", "allow_untested_var"}
 
@@ -160,6 +160,9 @@ def test_refused_version_says_not_accelerated_and_what_to_do(monkeypatch):
     assert out.count(f"what to do: install a tested version (mindspore {versions.tested_versions('mindspore')}") == 2
     assert f"set {versions.ALLOW_UNTESTED_ENV_VAR}=1" in out
     assert "  patched    " not in out, "nothing may be patched on a refused version"
+    # every row says the gate refused in a field of its own, not only in its text
+    rows = json.loads(_status(["--json"], prelude=FAKE_VERSION.format(fake={"mindspore": "2.11.0"})).stdout)["targets"]
+    assert rows and all(row["refused"] and row["state"] == "skipped" for row in rows), rows[:3]
 
 
 def test_untested_version_with_the_override_is_accelerated_with_a_warning():

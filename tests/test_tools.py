@@ -14,8 +14,8 @@ import sys
 import textwrap
 
 import pytest
-
 from _helpers import run_python
+
 from ms_loadpatch import cli
 from ms_loadpatch.tools import bench
 
@@ -208,9 +208,9 @@ def test_bench_usage_errors(tmp_path, capsys):
 
 def test_bench_single_file(tmp_path, tiny_checkpoint, capsys):
     """--single-file times a diffusers model's from_single_file; refused for a transformers checkpoint."""
+    import mindone.diffusers as md
     from _helpers import tiny_vae
 
-    import mindone.diffusers as md
     import ms_loadpatch
 
     with ms_loadpatch.disabled():

@@ -12,66 +12,21 @@ Mixtral: TopkExt; T5: Clone; BERT: LayerNormExt).
 import json
 import os
 
+import mindone.transformers as mt
 import mindspore as ms
 import numpy as np
 import pytest
 import transformers as hf
+from _helpers import tiny_transformers
 from safetensors.numpy import load_file, save_file
 
-from _helpers import tiny_qwen2_config
-import mindone.transformers as mt
 import ms_loadpatch
 from ms_loadpatch.strategy import building
 from ms_loadpatch.strategy.building import state
 from ms_loadpatch.strategy.reports import last_report
 from ms_loadpatch.testing import assert_same_model, cpu_kernel_fallbacks, load_both
 
-ARCHS = {
-    "qwen2": (
-        mt.Qwen2ForCausalLM,
-        lambda: tiny_qwen2_config(tie_word_embeddings=True),
-    ),
-    "llama": (
-        mt.LlamaForCausalLM,
-        lambda: hf.LlamaConfig(
-            vocab_size=128,
-            hidden_size=32,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            intermediate_size=64,
-            tie_word_embeddings=False,
-        ),
-    ),
-    "mixtral": (
-        mt.MixtralForCausalLM,
-        lambda: hf.MixtralConfig(
-            vocab_size=128,
-            hidden_size=32,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            intermediate_size=16,
-            num_local_experts=8,
-            num_experts_per_tok=2,
-        ),
-    ),
-    "t5": (
-        mt.T5ForConditionalGeneration,
-        lambda: hf.T5Config(vocab_size=128, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4),
-    ),
-    "bert": (
-        mt.BertModel,
-        lambda: hf.BertConfig(
-            vocab_size=128,
-            hidden_size=32,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            intermediate_size=64,
-            max_position_embeddings=64,
-        ),
-    ),
-}
+ARCHS = tiny_transformers("qwen2", "llama", "mixtral", "t5", "bert")
 # (file dtype, sharded)
 LAYOUTS = {
     "fp32": (None, False),

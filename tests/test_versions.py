@@ -10,9 +10,9 @@ import sys
 import textwrap
 
 import pytest
+from _helpers import report_of, run_python
 from packaging.version import Version
 
-from _helpers import report_of, run_python
 from ms_loadpatch import api_probes, core, versions
 from ms_loadpatch.api_verdict import _verdicts as api_verdicts
 from ms_loadpatch.api_verdict import api_verdict
@@ -374,9 +374,8 @@ def test_transformers_problem_skips_transformers_targets_only(monkeypatch, fresh
 
 def test_cell_to_target_matches_the_installed_mindspore(fresh_techniques):
     """The nn.Cell.to row is patched exactly where nn.Cell defines `to` (2.10+), "not needed" elsewhere."""
-    import mindspore as ms
-
     import mindone.transformers.modeling_utils  # noqa: F401
+    import mindspore as ms
 
     patcher = core._Patcher(TARGETS)
     try:

@@ -73,7 +73,7 @@ def accelerated_load(load: LibraryLoad, wrapped, args, kwargs, modeling_utils):
     return result
 
 
-def checkpoint_files(kind: LibraryLoad, wrapped, args, kwargs, modeling_utils) -> CheckpointFiles:
+def checkpoint_files(load: LibraryLoad, wrapped, args, kwargs, modeling_utils) -> CheckpointFiles:
     """The safetensors files from_pretrained(*args, **kwargs) will read from a local directory (with the count
     its index lists), none for anything else."""
     path = argument(wrapped, args, kwargs, "pretrained_model_name_or_path")
@@ -81,7 +81,7 @@ def checkpoint_files(kind: LibraryLoad, wrapped, args, kwargs, modeling_utils) -
         return CheckpointFiles()
     variant = kwargs.get("variant")
     named = lambda name: modeling_utils._add_variant(name, variant)  # noqa: E731
-    return local_checkpoint_files(kind.candidates(os.fspath(path), kwargs.get("subfolder") or "", named))
+    return local_checkpoint_files(load.candidates(os.fspath(path), kwargs.get("subfolder") or "", named))
 
 
 @contextlib.contextmanager

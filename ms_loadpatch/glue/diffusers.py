@@ -12,17 +12,17 @@ import sys
 import mindspore as ms
 import wrapt
 
-from . import common
 from .. import fingerprints
-from .build_then_fill import BuildThenFillCall
-from ..calls import argument, arguments, inside_load, with_argument
-from ..strategy.assign import cast_parameters, parameter_index
+from ..calls import argument, handles
+from ..strategy.assign import assign_in_final_dtype, cast_parameters, parameter_index
 from ..strategy.building.construction import lazy_construction
 from ..strategy.building.lazy import CONSTRUCTION_LOCK
 from ..strategy.keys import mapped_keys
 from ..strategy.prefetch import read_file, shard_weight_map
 from ..strategy.safetensors_header import CheckpointError, file_named_in_errors
 from ..strategy.tensors import adopted_parameter
+from . import common
+from .build_then_fill import BuildThenFillCall
 
 logger = logging.getLogger("ms_loadpatch")
 _MODULE = "mindone.diffusers.models.modeling_utils"
@@ -73,6 +73,85 @@ class DiffusersLoad(common.LibraryLoad):
         from mindone.diffusers.utils import logging as df_logging
 
         return df_logging.is_progress_bar_enabled()
+
+    def assign_in_final_dtype(self, index, state_dict, dtype, keep_in_fp32_modules) -> None:
+        """assign.assign_in_final_dtype of `state_dict`; what it leaves (unexpected keys) freed."""
+        try:
+            assign_in_final_dtype(index, state_dict, dtype, keep_in_fp32_modules, self.report, self.cast_at_read)
+        finally:
+            self.cast_at_read.clear()
+
+    def as_parameters_of_file(self, state_dict: dict) -> dict:
+        """`state_dict` with each tensor read by this load a Parameter of the file's values (as the library's
+        own loader reads them: none cast while reading)."""
+        return {
+            k: v if isinstance(v, ms.Parameter) else ms.Parameter(self.cast_at_read.as_in_file(v, self.report), name=k)
+            for k, v in state_dict.items()
+        }
+
+    # -- calls of mindone's loading path this load handles, unless it fell back (targets.TARGETS rows naming
+    # its methods; calls.on_load looks the load up and checks the call form each declares)
+
+    @handles(active="accelerating")
+    def on_load_pretrained_model(self, call):
+        """ModelMixin._load_pretrained_model: fast path or fallback, decided once per load."""
+        model = call.argument("model")
+        files = call.argument("resolved_model_file")
+        paths = [f for f in (files or []) if not isinstance(f, dict)]
+        not_safetensors = (f"{f} is not a safetensors file" for f in paths if not os.fspath(f).endswith(".safetensors"))
+        reason = next(not_safetensors, None)
+        index = None
+        if reason is None:
+            with self.report.phase("index"):
+                index = parameter_index(model)
+            if index is None:
+                reason = "parameter names differ from their structural names"
+        if reason is not None:
+            logger.debug("ms_loadpatch: %s loads unpatched: %s", type(model).__name__, reason)
+            self.fallback_reason = reason
+            state_dict = call.argument("state_dict")
+            if state_dict:  # read by our load_state_dict as tensors; mindone's loader wants Parameters of the file
+                call = call.with_argument("state_dict", self.as_parameters_of_file(state_dict))
+            return call()
+        self.parameter_index = (model, index)
+        result = call()
+        loaded_keys = call.argument("loaded_keys")
+        if len(paths) > 1:  # mindone leaves a weight no shard holds lazy, to be randomly initialised
+            self.check_index_against_shards(paths, loaded_keys or (), lambda: shard_weight_map(paths))
+        self.done = True
+        return result
+
+    @handles(
+        accepts=lambda load, call: (
+            load.parameter_index is not None and load.parameter_index[0] is call.argument("model")
+        ),
+        active="accelerating",
+    )
+    def on_load_shard_file(self, call):
+        """`_load_shard_file`: the (prefetched) shard assigned with O(1) bookkeeping, not load_param_into_net."""
+        shard_file, model, model_state_dict, loaded_keys, ignore_sizes, dtype, keep_in_fp32 = call.arguments(
+            *_SHARD_ARGS
+        )
+        if isinstance(shard_file, dict):  # a single file, read by load_state_dict
+            state_dict, path = shard_file, self.last_file
+        else:
+            arrays, _metadata, cast_at_read = self.read(shard_file)
+            state_dict, path = self.tensors_of(arrays, cast_at_read), shard_file
+        with file_named_in_errors(path):  # whatever fails with this file's tensors names it
+            find_mismatched_keys = sys.modules[_LOADING_MODULE]._find_mismatched_keys
+            mismatched_keys = find_mismatched_keys(state_dict, model_state_dict, loaded_keys, ignore_sizes)
+            with self.report.phase("assign"):
+                self.assign_in_final_dtype(self.parameter_index[1], state_dict, dtype, keep_in_fp32)
+        return (*call.arguments("offload_index", "state_dict_index"), mismatched_keys, [])
+
+    @handles(active="accelerating")
+    def on_convert_state_dict(self, call):
+        """mindone's _convert_state_dict, tolerating plain tensors (a Conv1d mapping reads `.name`)."""
+        state_dict_pt = call.argument("state_dict_pt")
+        if not state_dict_pt:
+            return state_dict_pt
+        mappings = _modeling_utils()._get_pt2ms_mappings(call.argument("m"))
+        return mapped_keys(state_dict_pt, mappings, self.mapped_as_unpatched)
 
     def finish(self, result) -> None:
         """Report a fallback; what the checkpoint lacked stays lazy, as mindone leaves it."""
@@ -150,68 +229,6 @@ def load_state_dict(wrapped, instance, args, kwargs):
 
 
 # -- internals of mindone's loading path (targets.TARGETS, diffusers "internal" rows)
-
-
-@inside_load(DiffusersLoad.accelerating)
-def load_pretrained_model(load, wrapped, instance, args, kwargs):
-    """ModelMixin._load_pretrained_model: fast path or fallback, decided once per load."""
-    model = argument(wrapped, args, kwargs, "model")
-    files = argument(wrapped, args, kwargs, "resolved_model_file")
-    paths = [f for f in (files or []) if not isinstance(f, dict)]
-    reason = next((f"{f} is not a safetensors file" for f in paths if not os.fspath(f).endswith(".safetensors")), None)
-    index = None
-    if reason is None:
-        with load.report.phase("index"):
-            index = parameter_index(model)
-        if index is None:
-            reason = "parameter names differ from their structural names"
-    if reason is not None:
-        logger.debug("ms_loadpatch: %s loads unpatched: %s", type(model).__name__, reason)
-        load.fallback_reason = reason
-        state_dict = argument(wrapped, args, kwargs, "state_dict")
-        if state_dict:  # read by our load_state_dict as tensors; mindone's loader wants Parameters of the file's values
-            args, kwargs = with_argument(wrapped, args, kwargs, "state_dict", load.as_parameters_of_file(state_dict))
-        return wrapped(*args, **kwargs)
-    load.parameter_index = (model, index)
-    result = wrapped(*args, **kwargs)
-    loaded_keys = argument(wrapped, args, kwargs, "loaded_keys")
-    if len(paths) > 1:  # mindone leaves a weight no shard holds lazy, to be randomly initialised
-        load.check_index_against_shards(paths, loaded_keys or (), lambda: shard_weight_map(paths))
-    load.done = True
-    return result
-
-
-def load_shard_file(wrapped, instance, args, kwargs):
-    """`_load_shard_file`: the (prefetched) shard assigned with O(1) bookkeeping, not load_param_into_net."""
-    load = DiffusersLoad.accelerating()
-    if load is None or load.parameter_index is None:
-        return wrapped(*args, **kwargs)
-    shard_file, model, model_state_dict, loaded_keys, ignore_sizes, dtype, keep_in_fp32 = arguments(
-        wrapped, args, kwargs, *_SHARD_ARGS
-    )
-    if load.parameter_index[0] is not model:
-        return wrapped(*args, **kwargs)
-    if isinstance(shard_file, dict):  # a single file, read by load_state_dict
-        state_dict, path = shard_file, load.last_file
-    else:
-        arrays, _metadata, cast_at_read = load.read(shard_file)
-        state_dict, path = load.tensors_of(arrays, cast_at_read), shard_file
-    with file_named_in_errors(path):  # whatever fails with this file's tensors names it
-        find_mismatched_keys = sys.modules[_LOADING_MODULE]._find_mismatched_keys
-        mismatched_keys = find_mismatched_keys(state_dict, model_state_dict, loaded_keys, ignore_sizes)
-        with load.report.phase("assign"):
-            load.assign_in_final_dtype(load.parameter_index[1], state_dict, dtype, keep_in_fp32)
-    return (*arguments(wrapped, args, kwargs, "offload_index", "state_dict_index"), mismatched_keys, [])
-
-
-@inside_load(DiffusersLoad.accelerating)
-def convert_state_dict(load, wrapped, instance, args, kwargs):
-    """mindone's _convert_state_dict, tolerating plain tensors (a Conv1d mapping reads `.name`)."""
-    model = argument(wrapped, args, kwargs, "m")
-    state_dict_pt = argument(wrapped, args, kwargs, "state_dict_pt")
-    if not state_dict_pt:
-        return state_dict_pt
-    return mapped_keys(state_dict_pt, _modeling_utils()._get_pt2ms_mappings(model), load.mapped_as_unpatched)
 
 
 class ParallelLoadingFlag(wrapt.ObjectProxy):

@@ -4,6 +4,7 @@ are the strategy's. Outside one, each wrapper calls straight through."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import sys
@@ -11,17 +12,17 @@ import sys
 import mindspore as ms
 import wrapt
 
-from . import common
 from .. import fingerprints
-from ..calls import argument, inside_load, with_argument
+from ..calls import argument, handles
 from ..strategy import building, cellpasses
-from ..strategy.assign import cast_parameters, cell_to_keeping_lazy
+from ..strategy.assign import assign, cast_parameters, cell_to_keeping_lazy, check_and_pair
 from ..strategy.building import draws, init_pass, window
-from ..strategy.building.construction import refresh_parameter_names, state_index
-from ..strategy.prefetch import read_file
+from ..strategy.building.construction import initialize_unloaded, refresh_parameter_names, state_index
 from ..strategy.keys import prefixed_keys
-from ..strategy.safetensors_header import exception_naming_file, safe_open_error_naming_file
+from ..strategy.prefetch import read_file
+from ..strategy.safetensors_header import exception_naming_file, file_named_in_errors, safe_open_error_naming_file
 from ..strategy.tensors import to_tensor
+from . import common
 
 logger = logging.getLogger("ms_loadpatch")
 _MODULE = "mindone.transformers.modeling_utils"
@@ -44,6 +45,10 @@ class TransformersLoad(common.LibraryLoad):
         self.model_keys: dict[int, set] = {}
         self.pt2ms_mappings: dict[int, dict] = {}
         self.assign_index: dict[int, dict] = {}
+        self.window = contextlib.ExitStack()  # the construction window, closed by close_construction
+        self.construction_root = None  # the outermost model built, once its build began
+        self.constructing = False
+        self.ledger = None  # its lazy parameters' random draws (building.draws.Ledger), where taken
 
     @staticmethod
     def requested_dtype(kwargs):
@@ -60,6 +65,150 @@ class TransformersLoad(common.LibraryLoad):
         from transformers.utils import logging as hf_logging  # mindone's shard bar follows transformers' switch
 
         return hf_logging.is_progress_bar_enabled()
+
+    def open_construction(self, root, ledger=None) -> None:
+        """The construction window for `root`, the outermost model, open until close_construction; its lazy
+        parameters take their draws in `ledger` (draws.Ledger, kept until the load ends), if given."""
+        if ledger is not None:
+            self.ledger = ledger
+            self.cleanup.enter_context(draws.giving_back(ledger))
+        self.construction_root = root
+        self.window.enter_context(self.construction(ledger))
+        self.constructing = True
+
+    def run_init_pass(self, run) -> None:
+        """`run(ledger, counts)`, an init pass over the lazily built model, with parameters filled on touch
+        (init_pass.filling_on_touch), counted in the report."""
+        report = self.report
+        with report.phase("init-pass"), init_pass.filling_on_touch(self.ledger) as counts:
+            run(self.ledger, counts)
+        report.filled_in_init_pass += counts.filled
+        report.writes_deferred += counts.deferred
+        report.init_calls_replayed += counts.replayed
+
+    def fill_missing(self, model) -> None:
+        """What the checkpoint lacked initialised as the unpatched load leaves it; the load done."""
+        report = self.report
+        with report.phase("init-missing"):
+            report.missing_initialised = initialize_unloaded(model, self.ledger)
+        if self.ledger is not None:
+            report.draws_taken, report.initializers_run_in_full = self.ledger.draws, self.ledger.run_in_full
+        self.done = True
+
+    def close_construction(self) -> None:
+        if self.constructing:
+            self.constructing = False
+            self.window.close()  # the window's figures were noted before its lock was released
+
+    def assign(self, index, state_dict, model_class: str) -> None:
+        """`state_dict` into the parameters `index` (construction.state_index) lists, checked first (shapes,
+        names) with the file read last named in errors."""
+        try:
+            pairs = check_and_pair(index, state_dict, model_class)
+        except RuntimeError as exc:
+            if self.last_file is None:
+                raise
+            raise RuntimeError(f"{exc}\n\t(checkpoint file: {self.last_file})") from None
+        try:
+            with file_named_in_errors(self.last_file):
+                assign(pairs, self.report, self.cast_at_read)
+        finally:
+            self.cast_at_read.clear()  # tensors the library dropped (unexpected keys) are freed
+
+    # -- calls of mindone's loading path this load handles (targets.TARGETS rows naming its methods;
+    # calls.on_load looks the load up and checks the call form each declares)
+
+    @handles()
+    def on_model_init(self, call):
+        """PreTrainedModel.__init__: the outermost model opens the lazy window; its draws are the plain build's."""
+        if self.construction_root is None:
+            self.open_construction(call.instance, ledger=draws.Ledger())
+        return call()
+
+    @handles(accepts=lambda load, call: call.count == 0, fingerprint="transformers.tie_weights")
+    def on_tie_weights(self, call):
+        """PreTrainedModel.tie_weights: the same walk and calls, its per-cell `hasattr` answered by cellpasses."""
+        if not cellpasses.active():
+            return call()
+        base = _modeling_utils().PreTrainedModel
+        for _, module in call.instance.cells_and_names():
+            if isinstance(module, base):
+                module.tie_embeddings_and_encoder_decoder()
+            if cellpasses.has_attribute(module, "_tie_weights"):
+                module._tie_weights()
+
+    @handles(accepts=lambda load, call: call.count == 1)
+    def on_cell_to(self, call):
+        """nn.Cell.to on the lazily built model: its result without reading (and crashing on) lazy parameters."""
+        dtype = call.args[0] if call.args else call.kwargs.get("dtype")  # Cell.to(*args, **kwargs): its to(dtype)
+        # other dtypes: Cell.to raises (or warns, for complex) before reading anything
+        if dtype not in ms.common.dtype.float_type or not any(p.has_init for p in call.instance.get_parameters()):
+            return call()
+        return cell_to_keeping_lazy(call.instance, dtype)
+
+    @handles(
+        accepts=lambda load, call: (
+            call.count <= 1 and not set(call.kwargs) - {"mode"} and type(call.argument("mode", True)) is bool
+        )
+    )
+    def on_cell_set_train(self, call):
+        """nn.Cell.set_train on the loaded model: cellpasses.set_train, the same flags on the same cells."""
+        if not cellpasses.active():
+            return call()
+        cellpasses.set_train(call.instance, call.argument("mode", True))
+        return call.instance
+
+    @handles()
+    def on_load_pretrained_model(self, call):
+        self.close_construction()  # a model whose __init__ never reached post_init
+        files = call.argument("resolved_archive_file")
+        result = call()
+        sharded_metadata = call.argument("sharded_metadata")
+        if sharded_metadata and isinstance(files, list):  # mindone leaves a weight no shard holds random
+            listed = sharded_metadata.get("all_checkpoint_keys", ())
+            self.check_index_against_shards(files, listed, lambda: sharded_metadata.get("weight_map") or {})
+        self.fill_missing(result[0])
+        return result
+
+    @handles(accepts=lambda load, call: call.count == 1)
+    def on_get_pt2ms_mappings(self, call):
+        """_get_pt2ms_mappings(model), walked once per model: _load_pretrained_model and the key conversion
+        both ask, read it only, and nothing between them changes the cell names and classes it reads."""
+        model = call.argument("m")
+        if id(model) not in self.pt2ms_mappings:
+            self.pt2ms_mappings[id(model)] = call()
+        return self.pt2ms_mappings[id(model)]
+
+    @handles()
+    def on_convert_state_dict(self, call):
+        """mindone's _convert_state_dict with the per-model walks done once per load, not once per shard."""
+        model = call.argument("m")
+        state_dict_pt = call.argument("state_dict_pt")
+        if not state_dict_pt:
+            return state_dict_pt
+        with self.report.phase("convert-keys"):
+            mappings = _modeling_utils()._get_pt2ms_mappings(model)  # walked once per model (on_get_pt2ms_mappings)
+            keys = self.model_keys.get(id(model))  # from the key check's walk
+            if keys is None:
+                keys = self.model_keys[id(model)] = set(model.state_dict().keys())
+            return prefixed_keys(state_dict_pt, mappings, keys, call.argument("prefix", ""), self.mapped_as_unpatched)
+
+    @handles()
+    def on_load_state_dict_into_model(self, call):
+        model = call.argument("model_to_load")
+        with self.report.phase("assign"):
+            if id(model) not in self.assign_index:
+                self.assign_index[id(model)] = state_index(model)
+            self.assign(self.assign_index[id(model)], call.argument("state_dict"), type(model).__name__)
+            if len(call.argument("start_prefix", "")) > 0:
+                for name, param in model.parameters_and_names():
+                    param.name = name
+        return []
+
+    @handles(accepts=lambda load, call: call.argument("model") is not None)
+    def on_find_missing_and_unexpected_keys(self, call):
+        """mindone's key check, unchanged; the state_dict keys it builds are kept for on_convert_state_dict."""
+        return call.with_argument("model", _KeepsStateKeys(call.argument("model"), self.model_keys))()
 
     def finish(self, result) -> None:
         """A lazily built model must have been loaded."""
@@ -111,17 +260,6 @@ def to(wrapped, instance, args, kwargs):
     return instance
 
 
-def cell_to(wrapped, instance, args, kwargs):
-    """nn.Cell.to on the lazily built model: its result without reading (and crashing on) lazy parameters."""
-    if TransformersLoad.current() is None or len(args) + len(kwargs) != 1:
-        return wrapped(*args, **kwargs)
-    dtype = args[0] if args else kwargs.get("dtype")  # Cell.to(*args, **kwargs): its documented to(dtype)
-    # other dtypes: Cell.to raises (or warns, for complex) before reading anything
-    if dtype not in ms.common.dtype.float_type or not any(p.has_init for p in instance.get_parameters()):
-        return wrapped(*args, **kwargs)
-    return cell_to_keeping_lazy(instance, dtype)
-
-
 def load_state_dict(wrapped, instance, args, kwargs):
     checkpoint_file = argument(wrapped, args, kwargs, "checkpoint_file")
     if fingerprints.changed("transformers.load_state_dict"):
@@ -141,15 +279,7 @@ def load_state_dict(wrapped, instance, args, kwargs):
     return load.tensors_of(arrays, cast_at_read)
 
 
-# -- internals of mindone's loading path (targets.TARGETS, "internal" rows)
-
-
-def model_init(wrapped, instance, args, kwargs):
-    """PreTrainedModel.__init__: the outermost model opens the lazy window; its draws are the plain build's."""
-    load = TransformersLoad.current()
-    if load is not None and load.construction_root is None:
-        load.open_construction(instance, ledger=draws.Ledger())
-    return wrapped(*args, **kwargs)
+# -- internals of mindone's loading path with work outside a load too (targets.TARGETS, "internal" rows)
 
 
 def init_weights(wrapped, instance, args, kwargs):
@@ -186,94 +316,6 @@ def _init_pass(owner, ledger, counts):
     init_pass.run(
         owner, owner._init_weights, **flags, ledger=ledger, recipe_by_id=recipes, counts=counts, owe_draws=True
     )
-
-
-def tie_weights(wrapped, instance, args, kwargs):
-    """PreTrainedModel.tie_weights: the same walk and calls, its per-cell `hasattr` answered by cellpasses."""
-    changed = args or kwargs or fingerprints.changed("transformers.tie_weights")
-    if TransformersLoad.current() is None or changed or not cellpasses.active():
-        return wrapped(*args, **kwargs)
-    base = _modeling_utils().PreTrainedModel
-    for _, module in instance.cells_and_names():
-        if isinstance(module, base):
-            module.tie_embeddings_and_encoder_decoder()
-        if cellpasses.has_attribute(module, "_tie_weights"):
-            module._tie_weights()
-
-
-def cell_set_train(wrapped, instance, args, kwargs):
-    """nn.Cell.set_train on the loaded model: cellpasses.set_train, the same flags on the same cells."""
-    if TransformersLoad.current() is None or len(args) + len(kwargs) > 1 or set(kwargs) - {"mode"}:
-        return wrapped(*args, **kwargs)
-    mode = argument(wrapped, args, kwargs, "mode", True)
-    if type(mode) is not bool or not cellpasses.active():
-        return wrapped(*args, **kwargs)
-    cellpasses.set_train(instance, mode)
-    return instance
-
-
-@inside_load(TransformersLoad.current)
-def load_pretrained_model(load, wrapped, instance, args, kwargs):
-    load.close_construction()  # a model whose __init__ never reached post_init
-    files = argument(wrapped, args, kwargs, "resolved_archive_file")
-    result = wrapped(*args, **kwargs)
-    sharded_metadata = argument(wrapped, args, kwargs, "sharded_metadata")
-    if sharded_metadata and isinstance(files, list):  # mindone leaves a weight no shard holds randomly initialised
-        listed = sharded_metadata.get("all_checkpoint_keys", ())
-        load.check_index_against_shards(files, listed, lambda: sharded_metadata.get("weight_map") or {})
-    load.fill_missing(result[0])
-    return result
-
-
-def pt2ms_mappings(wrapped, instance, args, kwargs):
-    """_get_pt2ms_mappings(model), walked once per model: _load_pretrained_model and the key conversion
-    both ask, read it only, and nothing between them changes the cell names and classes it reads."""
-    load = TransformersLoad.current()
-    if load is None or len(args) + len(kwargs) != 1:
-        return wrapped(*args, **kwargs)
-    model = argument(wrapped, args, kwargs, "m")
-    if id(model) not in load.pt2ms_mappings:
-        load.pt2ms_mappings[id(model)] = wrapped(*args, **kwargs)
-    return load.pt2ms_mappings[id(model)]
-
-
-@inside_load(TransformersLoad.current)
-def convert_state_dict(load, wrapped, instance, args, kwargs):
-    """mindone's _convert_state_dict with the per-model walks done once per load, not once per shard."""
-    model = argument(wrapped, args, kwargs, "m")
-    state_dict_pt = argument(wrapped, args, kwargs, "state_dict_pt")
-    if not state_dict_pt:
-        return state_dict_pt
-    with load.report.phase("convert-keys"):
-        mappings = _modeling_utils()._get_pt2ms_mappings(model)  # walked once per model (pt2ms_mappings)
-        keys = load.model_keys.get(id(model))  # from the key check's walk
-        if keys is None:
-            keys = load.model_keys[id(model)] = set(model.state_dict().keys())
-        prefix = argument(wrapped, args, kwargs, "prefix", "")
-        return prefixed_keys(state_dict_pt, mappings, keys, prefix, load.mapped_as_unpatched)
-
-
-@inside_load(TransformersLoad.current)
-def load_state_dict_into_model(load, wrapped, instance, args, kwargs):
-    model = argument(wrapped, args, kwargs, "model_to_load")
-    with load.report.phase("assign"):
-        if id(model) not in load.assign_index:
-            load.assign_index[id(model)] = state_index(model)
-        load.assign(load.assign_index[id(model)], argument(wrapped, args, kwargs, "state_dict"), type(model).__name__)
-        if len(argument(wrapped, args, kwargs, "start_prefix", "")) > 0:
-            for name, param in model.parameters_and_names():
-                param.name = name
-    return []
-
-
-def find_missing_and_unexpected_keys(wrapped, instance, args, kwargs):
-    """mindone's key check, unchanged; the state_dict keys it builds are kept for convert_state_dict."""
-    load = TransformersLoad.current()
-    model = argument(wrapped, args, kwargs, "model") if load is not None else None
-    if model is None:
-        return wrapped(*args, **kwargs)
-    args, kwargs = with_argument(wrapped, args, kwargs, "model", _KeepsStateKeys(model, load.model_keys))
-    return wrapped(*args, **kwargs)
 
 
 class _KeepsStateKeys(wrapt.ObjectProxy):

@@ -56,9 +56,8 @@ def drop_kept_initializer(param) -> None:
         param.init_mode = None
 
 
-def assign(pairs, loaded: dict, report, cast_at_read) -> None:
-    """Assign checked pairs; record id(param) -> tensor in `loaded`.
-    `cast_at_read` (a castread.CastRegistry) lists the tensors cast while
+def assign(pairs, report, cast_at_read) -> None:
+    """Assign checked pairs. `cast_at_read` (a castread.CastRegistry) lists the tensors cast while
     reading: one that fits its parameter's dtype is used as it is; any other
     gets the file's values back and goes the usual way."""
     for kind, target, value in pairs:
@@ -69,7 +68,6 @@ def assign(pairs, loaded: dict, report, cast_at_read) -> None:
             value = tensor_to_assign(origin, value, fits, report)
             if fits:
                 fill(target, value)
-                loaded[id(target)] = value
                 report.tensors_assigned += 1
                 continue
         if kind == "param":
@@ -77,7 +75,6 @@ def assign(pairs, loaded: dict, report, cast_at_read) -> None:
                 value = cast(value, target.dtype)
                 report.tensors_cast += 1
             fill(target, value)
-            loaded[id(target)] = value
         else:  # buffers: few, and copied exactly as Cell.load_state_dict does
             target.assign_value(ms.Tensor(value.asnumpy(), dtype=target.dtype))
         report.tensors_assigned += 1

@@ -8,7 +8,7 @@ mindone's `tie_weights` (`hasattr(cell, "_tie_weights")`, twice) and
 the flag dicts). A name a cell lacks falls through to
 `nn.Cell.__getattr__`, which looks in four dicts and raises a formatted
 AttributeError, and every write goes through `nn.Cell.__setattr__`'s type
-dispatch: ~0.2 s per load of a 15k-cell MoE. Here the same questions are
+dispatch, for every cell of the model. Here the same questions are
 answered by looking where those methods look, and plain values are written
 where `nn.Cell.__setattr__` would put them (the instance `__dict__`); a cell
 whose class defines any of these names or overrides a method involved takes

@@ -17,12 +17,10 @@ import time
 import mindspore as ms
 
 from . import cooperative, reports
-from .assign import assign, assign_in_final_dtype, check_and_pair
-from .building import draws, init_pass
-from .building.construction import initialize_unloaded, lazy_construction
+from .building.construction import lazy_construction
 from .castread import CastRegistry
 from .prefetch import CheckpointFiles, start_prefetch, take_or_read
-from .safetensors_header import CheckpointError, file_named_in_errors
+from .safetensors_header import CheckpointError
 from .tensors import to_tensor
 
 
@@ -57,12 +55,7 @@ class Load:
     def __init__(self, model_class: str):
         self.report = reports.LoadReport(model_class, self.library)
         self.report.technique = self.technique
-        self.window = contextlib.ExitStack()  # the construction window, closed by close_construction
-        self.cleanup = contextlib.ExitStack()  # everything else, closed when the load ends
-        self.construction_root = None  # the outermost model built, once its build began
-        self.constructing = False
-        self.ledger = None  # its lazy parameters' random draws (building.draws.Ledger), where taken
-        self.loaded: dict[int, object] = {}  # id(param) -> tensor assigned
+        self.cleanup = contextlib.ExitStack()  # everything but the build's window, closed when the load ends
         self.cast_at_read = CastRegistry()  # tensors cast while reading and not yet assigned
         self.cast_plan = None  # what a read of this load casts (castread.CastPlan; None: nothing)
         self.prefetcher = None  # the files read ahead (None: each file read when asked)
@@ -123,40 +116,8 @@ class Load:
         with self.report.phase("construct"), window:
             yield
 
-    def open_construction(self, root, ledger=None) -> None:
-        """The construction window for `root`, the outermost model, open until close_construction; its lazy
-        parameters take their draws in `ledger` (draws.Ledger, kept until the load ends), if given."""
-        if ledger is not None:
-            self.ledger = ledger
-            self.cleanup.enter_context(draws.giving_back(ledger))
-        self.construction_root = root
-        self.window.enter_context(self.construction(ledger))
-        self.constructing = True
-
-    def run_init_pass(self, run) -> None:
-        """`run(ledger, counts)`, an init pass over the lazily built model, with parameters filled on touch
-        (init_pass.filling_on_touch), counted in the report."""
-        report = self.report
-        with report.phase("init-pass"), init_pass.filling_on_touch(self.ledger) as counts:
-            run(self.ledger, counts)
-        report.filled_in_init_pass += counts.filled
-        report.writes_deferred += counts.deferred
-        report.init_calls_replayed += counts.replayed
-
-    def fill_missing(self, model) -> None:
-        """What the checkpoint lacked initialised as the unpatched load leaves it; the load done."""
-        report = self.report
-        with report.phase("init-missing"):
-            report.missing_initialised = initialize_unloaded(model, self.ledger)
-        if self.ledger is not None:
-            report.draws_taken, report.initializers_run_in_full = self.ledger.draws, self.ledger.run_in_full
-        self.done = True
-        self.loaded.clear()
-
     def close_construction(self) -> None:
-        if self.constructing:
-            self.constructing = False
-            self.window.close()  # the window's figures were noted before its lock was released
+        """The build's window closed, if this kind of load keeps one open; also on error."""
 
     def read(self, path):
         """(arrays, metadata, cast_at_read) of one file: the prefetched read if
@@ -188,36 +149,6 @@ class Load:
         raise CheckpointError(
             path, "the checkpoint's index lists this tensor in this file, but no shard holds it", key=key
         )
-
-    def assign(self, index, state_dict, model_class: str) -> None:
-        """`state_dict` into the parameters `index` (construction.state_index) lists, checked first (shapes,
-        names) with the file read last named in errors."""
-        try:
-            pairs = check_and_pair(index, state_dict, model_class)
-        except RuntimeError as exc:
-            if self.last_file is None:
-                raise
-            raise RuntimeError(f"{exc}\n\t(checkpoint file: {self.last_file})") from None
-        try:
-            with file_named_in_errors(self.last_file):
-                assign(pairs, self.loaded, self.report, self.cast_at_read)
-        finally:
-            self.cast_at_read.clear()  # tensors the library dropped (unexpected keys) are freed
-
-    def assign_in_final_dtype(self, index, state_dict, dtype, keep_in_fp32_modules) -> None:
-        """assign.assign_in_final_dtype of `state_dict`; what it leaves (unexpected keys) freed."""
-        try:
-            assign_in_final_dtype(index, state_dict, dtype, keep_in_fp32_modules, self.report, self.cast_at_read)
-        finally:
-            self.cast_at_read.clear()
-
-    def as_parameters_of_file(self, state_dict: dict) -> dict:
-        """`state_dict` with each tensor read by this load a Parameter of the file's values (as the library's
-        own loader reads them: none cast while reading)."""
-        return {
-            k: v if isinstance(v, ms.Parameter) else ms.Parameter(self.cast_at_read.as_in_file(v, self.report), name=k)
-            for k, v in state_dict.items()
-        }
 
     def mapped_as_unpatched(self, mapping, tensor, name):
         """`mapping(tensor)`, a key's pt -> ms mapping; one that transforms the

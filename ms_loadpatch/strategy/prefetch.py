@@ -19,9 +19,9 @@ from dataclasses import asdict, dataclass
 
 from ..activation import env_flag
 from . import page_cache
+from .castread import Staging, read_cast
 from .progress import ReadProgress, wanted
 from .ranks import node_share
-from .castread import Staging, read_cast
 from .reader import read_arrays
 from .threaded_read import (
     SLOW_STREAM_BYTES_PER_S,

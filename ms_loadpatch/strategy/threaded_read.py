@@ -22,8 +22,8 @@ from .ranks import NodeShare, node_share
 logger = logging.getLogger("ms_loadpatch")
 
 # Below this a file's data is read in one call; above, in a few threads: page
-# faults on fresh memory, not the copy, bound the read (about 2 s/GB on a VM
-# whose freed memory goes back to the host), and they scale with cores.
+# faults on fresh memory, not the copy, bound the read (dearest on a VM whose
+# freed memory goes back to the host), and they scale with cores.
 PARALLEL_READ_MIN_BYTES = 64 << 20
 _ALIGN = 2 << 20  # chunk borders on huge-page boundaries
 
@@ -108,10 +108,10 @@ def cold_read_plan(share: NodeShare | None = None, threads: int | None = None) -
 
 
 # One stream slower than this is storage-bound (a delay per request, a cap
-# per stream): more requests in flight help. A cold local disk gives the
-# first 4 MB at several hundred MB/s, a 2 ms delay per 128 KB request about
-# 50. Low, since the timing also holds the wait for the GIL (up to its 5 ms
-# switch interval while the build runs).
+# per stream): more requests in flight help. A cold local disk reads its
+# first bytes several times faster, storage with a delay per request several
+# times slower. Low, since the timing also holds the wait for the GIL (a
+# switch interval while the build runs). docs/benchmarks.md "Cold loads".
 SLOW_STREAM_BYTES_PER_S = 100e6
 PROBE_BYTES = 4 << 20
 

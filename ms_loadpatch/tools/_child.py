@@ -103,8 +103,9 @@ def touch_all(model) -> int:
 def prime_memory(nbytes: int) -> None:
     """Fault in, then free, `nbytes` of memory: the allocations right after
     reuse pages the host still backs. On a VM that hands freed memory back
-    to the host (free page reporting), first-touch costs about 2 s/GB, an
-    artefact of the machine that would otherwise swamp every load time."""
+    to the host (free page reporting), first touch costs more than the read,
+    an artefact of the machine that would otherwise swamp every load time
+    (docs/benchmarks.md, "How `ms-loadpatch bench` measures")."""
     if nbytes <= 0:
         return
     if not _reset_peak_rss():
@@ -231,6 +232,8 @@ def _task_floors(task: dict) -> dict:
 
     from mindspore.nn.utils import no_init_parameters
 
+    from ..strategy.building.swaps import Swaps
+
     cls, library = import_model_class(spec)
     on_cpu = _on_cpu()
     with _fallbacks(on_cpu):
@@ -238,15 +241,12 @@ def _task_floors(task: dict) -> dict:
             import mindone.transformers.modeling_utils as modeling_utils
 
             config = cls.config_class.from_pretrained(spec.model_dir)
-            saved, modeling_utils._init_weights = modeling_utils._init_weights, False  # no init pass
-            try:
+            with Swaps([(modeling_utils, "_init_weights", False)]):  # no init pass
                 prime_memory(prime)
                 start = time.perf_counter()
                 with no_init_parameters():
                     cls(config)
                 construct_seconds = time.perf_counter() - start
-            finally:
-                modeling_utils._init_weights = saved
         else:
             config = cls.load_config(spec.model_dir)
             prime_memory(prime)

@@ -18,10 +18,10 @@ import tempfile
 
 import numpy as np
 
+from ..testing import TensorRecord, compare
 from .children import FALLBACK_NOTE, ChildError, measure_load
 from .spec import LoadSpec, UsageError
 from .steps import Progress
-from ..testing import TensorRecord, compare
 
 SHOWN_DIFFERENCES = 20
 EXIT_EQUAL, EXIT_DIFFERENT, EXIT_USAGE, EXIT_NO_REFERENCE = 0, 1, 2, 3

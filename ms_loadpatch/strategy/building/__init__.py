@@ -17,18 +17,16 @@ import contextlib
 
 from .. import randomstate, switch, verdict
 from ..probe_cache import ProbeCache
-from . import deferred_writes, draws, init_pass, lazy_writes, window
+from . import deferred_writes, draws, gc_pause, init_pass, lazy_writes, window
 from .cell_init_template import CellInitTemplate
 from .flat_name_walk import FlatNameWalk
-from . import gc_pause
 from .gc_pause import GcPause
 from .host_factories import HostFactories
 from .lazy import CONSTRUCTION_LOCK
 from .primitive_defaults import PrimitiveDefaults
 from .probe import run_probes
-from .signature_cache import SignatureCache
 from .sibling_clone import SiblingClone
-
+from .signature_cache import SignatureCache
 
 _FLAT_NAME_WALK = FlatNameWalk()
 _SIBLING_CLONE = SiblingClone()

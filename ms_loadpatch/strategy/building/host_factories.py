@@ -15,8 +15,7 @@ class HostFactories(Technique):
     mindone's models (`ops.ones` in some, Qwen2 among them), runs an op
     through mindspore's asynchronous pipeline and the Parameter then waits
     for it (`param_info` -> `wait_pipeline`):
-    a hand-off between threads of 0.7-4 ms per tensor on a busy host,
-    whatever its size. In the building thread the fast path makes the same
+    a hand-off between threads per tensor, whatever its size. In the building thread the fast path makes the same
     tensor from a numpy array: same shape, dtype and values (`empty`'s are
     undefined either way). The array is wrapped, not copied, when
     `Tensor.from_numpy` does that on this mindspore (`_array_wrapper`): the
@@ -37,12 +36,10 @@ class HostFactories(Technique):
     # cells): it saves milliseconds per tensor and its own probe model is tiny.
     engages_early = True
     # Larger `ones` / `zeros` take mindspore's own op: its fill reuses its
-    # pool and beats numpy's into fresh pages (16M floats: 40 against 134 ms
-    # on this VM). A larger `empty` is served from the host when its array is
-    # wrapped without a copy (16M floats: 0.2 ms, nothing touched, against
-    # mindspore's 3.3-3.8 ms); a copied one (16M floats: 37-47 ms and 64 MB of
-    # RSS) is not. A model's norms and biases are far below this; fused
-    # expert weights (GraniteMoE, JetMoE) can be above.
+    # pool and beats numpy's into fresh pages. A larger `empty` is served from
+    # the host when its array is wrapped without a copy (nothing touched); a
+    # copied one (a fill and its memory) is not. A model's norms and biases are
+    # far below this; fused expert weights (GraniteMoE, JetMoE) can be above.
     MAX_ELEMENTS = 1 << 18
     # (module, function): ops' take the dtype as a second positional argument too
     FUNCTIONS = (("mint", "ones"), ("mint", "zeros"), ("mint", "empty"), ("ops", "ones"), ("ops", "zeros"))
@@ -56,8 +53,8 @@ class HostFactories(Technique):
         self.wrap_array = None  # Tensor.from_numpy when it wraps an array without a copy (prepare)
 
     def prepare(self):
-        import numpy as np
         import mindspore as ms
+        import numpy as np
         from mindspore import mint, ops
 
         modules, originals = {"mint": mint, "ops": ops}, {}

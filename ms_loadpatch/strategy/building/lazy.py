@@ -7,10 +7,11 @@ from __future__ import annotations
 import contextlib
 import threading
 
+from .swaps import Swaps
+
 # The lazy window changes a class attribute of Parameter. Every construction
 # ms_loadpatch runs, lazy or not, holds this lock; re-entrant for nested models.
 CONSTRUCTION_LOCK = threading.RLock()
-_ABSENT = object()
 
 
 class _LazyInThread:
@@ -28,19 +29,10 @@ class _LazyInThread:
         return threading.get_ident() != self.thread
 
 
-@contextlib.contextmanager
 def _lazy_in_this_thread():
     from mindspore import Parameter
 
-    previous = Parameter.__dict__.get("init_param", _ABSENT)
-    Parameter.init_param = _LazyInThread()
-    try:
-        yield
-    finally:
-        if previous is _ABSENT:
-            del Parameter.init_param
-        else:
-            Parameter.init_param = previous
+    return Swaps([(Parameter, "init_param", _LazyInThread())])
 
 
 _THREAD_SCOPED: bool | None = None

@@ -28,8 +28,8 @@ def _probe_model():
     buffer, a cell with bprop, a child replaced later, cells built again
     with the same arguments that keep the config they were given or a copy
     of their own, and hold a tensor computed in `__init__`."""
-    import numpy as np
     import mindspore as ms
+    import numpy as np
     from mindspore import Parameter, mint, nn, ops
     from mindspore.common.initializer import initializer
 
@@ -189,8 +189,8 @@ def _probe_output(model):
     """The values of the Parameters made over tensors (the state leaves
     values out), and the output of the probe model's first leaf once its
     lazy weights get fixed values."""
-    import numpy as np
     import mindspore as ms
+    import numpy as np
 
     values = [
         (name, str(getattr(param, "device", None)), param.asnumpy().tobytes())

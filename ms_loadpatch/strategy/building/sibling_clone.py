@@ -44,9 +44,8 @@ class SiblingClone(Technique):
     )
     # A cell whose first build copied this many cells from recipes (an MoE
     # block of copied experts) gets no recipe of its own: learning one costs
-    # two more recipes written, a copy and two state comparisons of its whole subtree
-    # (0.6 s for a 128-expert block), and a copy of it saves only the
-    # per-expert calls (~5 ms a block).
+    # two more recipes written, a copy and two state comparisons of its whole
+    # subtree, and a copy of it saves only the per-expert calls.
     COPIES_INSIDE_LIMIT = 16
 
     def __init__(self):
@@ -60,8 +59,8 @@ class SiblingClone(Technique):
         self.count = window.DeferredInstanceCount()
 
     def prepare(self):
-        import numpy
         import mindspore as ms
+        import numpy
         from mindspore import nn
         from mindspore.common import dtype as mstype
         from mindspore.common.initializer import Initializer, initializer

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import sys
 import threading
 import types
 
 from . import window
+from .swaps import Swaps
 from .technique import ProbeFailed, Technique
 
 
@@ -48,8 +50,9 @@ class SignatureCache(Technique):
     description = "inspect.signature cached per __init__ in mindspore's primitive and cell decorators"
 
     def __init__(self):
-        self.modules = []
+        self.modules = []  # mindspore's decorator modules, each with its shim
         self.shims = []
+        self.swaps = Swaps()
 
     def prepare(self):
         import inspect
@@ -62,8 +65,9 @@ class SignatureCache(Technique):
             ("prim_arg_register", getattr(ops, "prim_arg_register", None)),
             ("nn.Dense.__init__ (cell_attr_register)", vars(nn.Dense).get("__init__")),
         ):
-            module = getattr(fn, "__globals__", None)
-            if module is None or module.get("inspect") is not inspect:
+            names = getattr(fn, "__globals__", None)
+            module = sys.modules.get(names.get("__name__")) if names is not None else None
+            if module is None or vars(module) is not names or names.get("inspect") is not inspect:
                 raise ProbeFailed(f"{label}'s module does not use the inspect module by that name")
             if all(m is not module for m in modules):
                 modules.append(module)
@@ -71,19 +75,14 @@ class SignatureCache(Technique):
         self.shims = [_CachedSignatureInspect(inspect) for _ in modules]
 
     def install(self):
-        if any(module.get("inspect") is not shim._real for module, shim in zip(self.modules, self.shims)):
+        if any(vars(module).get("inspect") is not shim._real for module, shim in zip(self.modules, self.shims)):
             return False
-        for module, shim in zip(self.modules, self.shims):
-            module["inspect"] = shim
+        self.swaps = Swaps((module, "inspect", shim) for module, shim in zip(self.modules, self.shims))
+        self.swaps.install()
         return True
 
     def uninstall(self):
-        for module, shim in zip(self.modules, self.shims):
-            module["inspect"] = shim._real
+        self.swaps.uninstall()
 
     def leftovers(self):
-        return [
-            f"{m.get('__name__')} still uses the cached inspect"
-            for m in self.modules
-            if isinstance(m.get("inspect"), _CachedSignatureInspect)
-        ]
+        return self.swaps.leftovers()

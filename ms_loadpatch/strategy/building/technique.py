@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import threading
 
+from .. import verdict
 from . import window
 from .swaps import Swap
-from .. import verdict
 
 
 class ProbeFailed(Exception):

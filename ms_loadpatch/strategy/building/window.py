@@ -15,15 +15,15 @@ from ...activation import env_int
 from .swaps import Swap
 
 # A build's first cells are plain; the probes run and the techniques engage at
-# this cell (0: from the first). Below it the probes (~0.2 s) cost more than
-# the techniques save (~0.15 ms a cell): a dense model of a few hundred cells.
+# this cell (0: from the first). Below it the probes cost more than the
+# techniques save: a dense model of a few hundred cells
+# (docs/architecture.md, "Where it engages").
 START_ENV_VAR = "MS_LOADPATCH_FAST_CONSTRUCTION_FROM"
 DEFAULT_START = 1000
 # A load whose checkpoint holds at least this many tensors engages at once: it
 # pays the probes anyway, as its model passes DEFAULT_START cells (mindone's
-# transformers build 1.2-1.75 cells a tensor: 1.18 Qwen2, 1.56-1.75 the fused
-# MoE families at 643-883 tensors, 1.67 the cell-expert ones); from the first
-# cell it saves ~0.1 ms on each of those first cells.
+# transformers build more than one cell a tensor, the MoE families the most),
+# and from the first cell it saves on each of those first cells.
 EARLY_START_TENSORS = 600
 
 
@@ -88,7 +88,7 @@ def start_after_cells(checkpoint_tensors: int | None = None) -> int:
 class DeferredInstanceCount:
     """`Cell.total_instance_count += 1` rewrites a class attribute of nn.Cell,
     and CPython then invalidates the attribute cache of every subclass (some
-    5,000 once mindone is imported): about 36 us per cell. The fast paths
+    5,000 once mindone is imported) for every cell built. The fast paths
     count their cells here and add them to the class attribute once, when
     their technique is uninstalled (the window's `finally`); only its value
     during the build differs (mindspore reads it when compiling a jit
