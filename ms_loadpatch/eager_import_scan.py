@@ -6,7 +6,7 @@ The eager import of mindone.transformers runs hundreds of modules; each
 import of a submodule binds it in its parent package, and a star import of
 a package without `__all__` exports the submodules bound by then. A lazy
 package lists those names too, so that dir() before any access is the
-eager one (tests/test_lazy_import.py compares both in fresh processes).
+eager one (tests/plugin/test_lazy_import.py compares both in fresh processes).
 """
 
 from __future__ import annotations
@@ -54,7 +54,7 @@ class _EagerImportScan:
     Python does. A lazy package's own relative imports are the ones its plan
     went through. Import lines are found by text search (a parse of every
     module would take seconds).
-    tests/test_lazy_import.py compares the result with a real eager import."""
+    tests/plugin/test_lazy_import.py compares the result with a real eager import."""
 
     _LINE = None  # compiled on first use
     _HEADER = None

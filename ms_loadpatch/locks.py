@@ -1,6 +1,6 @@
 """The one order ms_loadpatch's locks are taken in: a thread takes a lock
 only while holding locks that come before it in LOCK_ORDER (a re-entrant
-lock may be taken again). `tests/test_locks.py` records every nested
+lock may be taken again). `tests/faults/test_locks.py` records every nested
 acquisition during real loads, status calls and probes and checks them
 against this table; docs/architecture.md#locks explains each place.
 

@@ -98,7 +98,7 @@ TARGETS: tuple[Target, ...] = (
     # construction outside from_pretrained waits for any lazy-construction window
     Target("mindone.diffusers.configuration_utils", "ConfigMixin.from_config", f"{_GLUE}:from_config", public=True),
     # calls that build with every initializer run, then fill (glue/build_then_fill.py); each has an identity
-    # test (tests/test_build_then_fill.py), with the CPU wheel's missing kernels routed (testing.cpu_kernel_fallbacks)
+    # test (tests/loading/test_build_then_fill.py), with the CPU wheel's missing kernels routed (testing.cpu_kernel_fallbacks)
     *(
         Target(f"mindone.diffusers.models.{module}", f"{cls}.{method}", _BUILD_THEN_FILL, public=True)
         for module, cls, method in (

@@ -51,7 +51,7 @@ FLOORS_CELL: str = "2.7.0"
 # mindspore's (the lazy packages are mindone's): in the matrix they run on the
 # oldest and the newest mindspore only (FLOORS_CELL and the last of TESTED);
 # the README test command runs them whole on the suite's mindspore.
-MATRIX_EDGE_ONLY: tuple[str, ...] = ("tests/test_lazy_import.py",)
+MATRIX_EDGE_ONLY: tuple[str, ...] = ("tests/plugin/test_lazy_import.py",)
 # Floors that cell raises, because mindspore's or mindone's own requirements
 # ask for more (the declared floor is what this package's code needs):
 # name -> (version installed instead, why).
@@ -147,7 +147,7 @@ def check() -> GateResult:
 # their own): these packages are made lazy, on the mindone versions below.
 LAZY_IMPORT_PACKAGES = ("mindone.transformers", "mindone.transformers.models")
 LAZY_IMPORT_MINDONE = SpecifierSet(">=0.5.0,<0.6")
-# The audit of mindone 0.5.0 (tests/test_lazy_import.py re-runs it on the
+# The audit of mindone 0.5.0 (tests/plugin/test_lazy_import.py re-runs it on the
 # installed mindone): modules whose import writes into another module's
 # registry, by the module that reads it. When the reader is imported, its
 # writers are too, as the eager import of the package would have done.

@@ -1,4 +1,4 @@
-"""What the fast-construction tests (tests/test_building_*.py) share: the
+"""What the fast-construction tests (tests/building/) share: the
 tiny models they build, the checkpoints saved from them once per test
 module, switching techniques off, comparing two models' state, and the
 techniques and factory functions they look up."""

@@ -17,6 +17,7 @@ import sys
 import numpy as np
 
 TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(TESTS_DIR)
 
 
 def run_python(code_or_args, env_extra=None, env_drop=(), timeout=600, cwd=None):

@@ -1,4 +1,4 @@
-"""Child of tests/test_lazy_import.py: imports mindone.transformers (eager or
+"""Child of tests/plugin/test_lazy_import.py: imports mindone.transformers (eager or
 lazy, as the environment says) and prints, as one REPORT line, what a user
 can observe: names, what each resolves to, dir() before and after, the Auto
 mappings and the registries written at import.

@@ -1,4 +1,4 @@
-"""One rank of an msrun job started by tests/test_multirank.py.
+"""One rank of an msrun job started by tests/jobs/test_multirank.py.
 
 Loads a checkpoint with mindone's from_pretrained (the plugin on or off is
 the launcher's business: MS_LOADPATCH, `ms-loadpatch run`, or `--import`),

@@ -53,3 +53,14 @@ def ctrl_c_raises():
         yield
     finally:
         signal.signal(signal.SIGINT, previous)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def cell_passes_probed_on_mindspores_own_cell():
+    """The cell-passes probe runs once per process and reads nn.Cell's own
+    methods: run before any test records them through monkeypatch (a probe
+    that first saw a test's recorder would rightly refuse for the session)."""
+    from ms_loadpatch.strategy import cellpasses
+
+    cellpasses.probe()
+    yield

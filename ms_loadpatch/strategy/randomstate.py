@@ -5,7 +5,7 @@ A probe builds and fills small models: mindspore's random initializers take
 their seeds from numpy's global RandomState, and a model may draw from
 Python's `random`. A seeded script must draw the same numbers after a load
 whether or not the probes ran in it. mindspore's default generator is not
-touched by the probes (tests/test_random_state.py compares it too), and is
+touched by the probes (tests/loading/test_random_state.py compares it too), and is
 not read here: `get_rng_state()` launches an op, and two threads reading it
 at once (two first loads) hung mindspore 2.10.
 """

@@ -5,7 +5,7 @@ A file is accepted exactly when the safetensors library accepts it (the
 check mindone itself runs before loading a file), except what numpy cannot
 hold: dtypes F8_*, F6_*, F4, C64, and empty tensors with shapes such as
 [2**63, 0]. (Not modelled: serde_json's rounding of floats within a hair of
-1.8e308 in fields safetensors ignores.) tests/test_reader_fuzz.py holds
+1.8e308 in fields safetensors ignores.) tests/reading/test_reader_fuzz.py holds
 reader.read_arrays and the safetensors library against each other.
 
 Errors name the file (and the tensor) in their message: CheckpointError, an

@@ -16,7 +16,8 @@ import re
 import subprocess
 import sys
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from _helpers import REPO
+
 KINDS = ["qwen2", "qwen2-sharded", "mixtral", "vae", "unet", "bad", "bad-vae"]
 BAD = {"bad", "bad-vae"}
 

@@ -20,6 +20,7 @@ import threading
 import time
 
 import pytest
+from _helpers import TESTS_DIR
 from _process_state import assert_state_restored, process_state
 from _tiny_checkpoints import (
     checkpoints,  # noqa: F401  (a fixture)
@@ -36,7 +37,7 @@ from ms_loadpatch.strategy import safetensors_header, threaded_read
 from ms_loadpatch.strategy.safetensors_header import CheckpointError
 from ms_loadpatch.testing import assert_same_model, load_both
 
-HERE = os.path.dirname(os.path.abspath(__file__))
+HERE = TESTS_DIR
 pytestmark = pytest.mark.usefixtures("cpu_kernels", "plugin_enabled", "ctrl_c_raises")
 
 

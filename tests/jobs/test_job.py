@@ -1,6 +1,6 @@
 """The parts of multi-node reading that every rank computes alike from what
 the ranks said (strategy/job.py, strategy/cooperative.py): the agreement,
-the decision, the plan. The jobs themselves run in tests/test_multinode.py."""
+the decision, the plan. The jobs themselves run in tests/jobs/test_multinode.py."""
 
 import numpy as np
 import pytest

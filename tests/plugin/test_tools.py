@@ -14,14 +14,13 @@ import sys
 import textwrap
 
 import pytest
-from _helpers import run_python
+from _helpers import REPO, run_python
 
 from ms_loadpatch import cli
 from ms_loadpatch.tools import bench
 
 pytest_plugins = ["pytester"]
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXAMPLES = os.path.join(REPO, "examples")
 
 
@@ -565,14 +564,14 @@ def test_bench_child_reads_as_a_plain_script_does(cache, tmp_path, cpu_kernels):
     if cold.evict(files) != 0.0:
         pytest.skip("this filesystem keeps the pages (or has no mincore): nothing is read cold")
     bench_runs, script_runs = [], []
-    for _ in range(2):
+    for _ in range(3):
         cold.evict(files)
         bench_runs.append(bench.measure_load(spec, "patched"))
         cold.evict(files)
         script_runs.append(bench.measure_time_to_model(spec, "patched"))
     agreement = bench.plain_script_agreement(bench_runs, script_runs)
     assert agreement["files"] == len(files) >= 2
-    assert agreement["script_cold_files"] == [len(files)] * 2, agreement
+    assert agreement["script_cold_files"] == [len(files)] * 3, agreement
     assert agreement["agree"], agreement
 
 

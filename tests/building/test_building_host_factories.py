@@ -106,7 +106,8 @@ def test_host_factories_make_what_mindspore_makes(python_proc):
     mint.empty calls can surface later in unrelated ops of the same process
     (the next test's, in 2 of 12 runs)."""
     proc = python_proc(
-        "import ms_loadpatch, test_building_host_factories as t; t.host_forms_match_mindspore(); print('SAME')"
+        "import sys; sys.path.insert(0, 'building'); import ms_loadpatch, test_building_host_factories as t; "
+        "t.host_forms_match_mindspore(); print('SAME')"
     )
     assert proc.returncode == 0 and proc.stdout.splitlines()[-1:] == ["SAME"], proc.stdout[-2000:] + proc.stderr[-6000:]
 

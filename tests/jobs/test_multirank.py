@@ -19,12 +19,12 @@ import subprocess
 import sys
 
 import pytest
-from _helpers import assert_same_arrays, installed_pth, npz_arrays
+from _helpers import TESTS_DIR, assert_same_arrays, installed_pth, npz_arrays
 
 from ms_loadpatch.strategy.ranks import NodeShare, available_cores
 from ms_loadpatch.strategy.threaded_read import read_threads
 
-HERE = os.path.dirname(os.path.abspath(__file__))
+HERE = TESTS_DIR
 WORKER = os.path.join(HERE, "_msrun_worker.py")
 RANKS = 2
 JOB_SECONDS = 300

@@ -14,8 +14,8 @@ import subprocess
 import sys
 
 import pytest
+from _helpers import REPO
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(REPO, "benchmarks"))
 
 

@@ -9,7 +9,9 @@ import os
 import re
 import tokenize
 
-PACKAGE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "ms_loadpatch")
+from _helpers import REPO
+
+PACKAGE = os.path.join(REPO, "ms_loadpatch")
 
 # a duration, a rate or a cost per size: "0.2 s", "36 us", "~5 ms", "2 s/GB", "100 MB/s"
 TIMING = re.compile(r"(~?\d+(?:\.\d+)?(?:-\d+(?:\.\d+)?)?\s?(?:s|ms|us|µs)\b(?!\w))|(\d\s?[MG]B/s)|(s/GB)")

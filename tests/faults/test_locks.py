@@ -9,6 +9,7 @@ import subprocess
 import sys
 
 import pytest
+from _helpers import TESTS_DIR
 
 _PRELUDE = """
 import sys, threading, time
@@ -160,7 +161,7 @@ def test_nested_locks_follow_the_lock_order_table(tmp_path):
     so a stale row fails) is only taken while holding locks before it."""
     import json
 
-    here = os.path.dirname(os.path.abspath(__file__))
+    here = TESTS_DIR
     env = {k: v for k, v in os.environ.items() if k != "MS_LOADPATCH"}
     env.update(GLOG_v="3")
     code = _RECORDING.replace("mindspore_dtype_placeholder", "__import__('mindspore').float16")

@@ -16,6 +16,7 @@ import sys
 import mindspore as ms
 import numpy as np
 import pytest
+from _helpers import TESTS_DIR
 from _in_place_families import FAMILIES, WRITES_IN_PLACE, save_family
 
 import ms_loadpatch
@@ -110,9 +111,7 @@ def test_without_in_place_fallbacks_patched_loads_as_unpatched(tmp_path, family)
     import json
     import subprocess
 
-    code = _PLAIN_WHEEL_CHILD.format(
-        tests=os.path.dirname(os.path.abspath(__file__)), family=family, directory=str(tmp_path / family)
-    )
+    code = _PLAIN_WHEEL_CHILD.format(tests=TESTS_DIR, family=family, directory=str(tmp_path / family))
     proc = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=600, env={**os.environ, "GLOG_v": "3"}
     )

@@ -23,8 +23,9 @@ import subprocess
 import sys
 
 import pytest
+from _helpers import TESTS_DIR
 
-CHILD = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_random_state_child.py")
+CHILD = os.path.join(TESTS_DIR, "_random_state_child.py")
 # the version matrix runs the probes, what differs between mindspore versions (2 processes a version)
 CASES = [
     "diffusers-unet",

@@ -5,7 +5,6 @@ are run by `.ci/matrix` (the tests marked `matrix` below check the installed
 mindspore itself: it gets the fast path, or the gate refuses it cleanly)."""
 
 import logging
-import os
 import sys
 import textwrap
 
@@ -18,7 +17,6 @@ from ms_loadpatch.api_verdict import _verdicts as api_verdicts
 from ms_loadpatch.api_verdict import api_verdict
 from ms_loadpatch.targets import TARGETS
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TF_FROM_PRETRAINED = "mindone.transformers.modeling_utils:PreTrainedModel.from_pretrained"
 
 

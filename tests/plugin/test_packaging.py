@@ -13,11 +13,11 @@ import sys
 import sysconfig
 
 import pytest
+from _helpers import REPO, TESTS_DIR
 from packaging.requirements import Requirement
 
 from ms_loadpatch import versions
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 HOST_LIBRARIES = ("mindspore", "mindone")
 
 
@@ -164,18 +164,23 @@ def test_pip_install_keeps_the_installed_mindspore(tmp_path):
 
 
 def test_tests_share_helpers_not_test_modules():
-    """Shared test code lives in tests/_*.py: no test module, helper or
-    child script imports a test module (whose fixtures and collection would
-    come along)."""
+    """Tests live in one folder per area; shared test code at the top of
+    tests/ (conftest.py, _*.py): no test module, helper or child script
+    imports a test module (whose fixtures and collection would come along),
+    and no test module sits outside an area."""
     import re
 
-    here = os.path.dirname(os.path.abspath(__file__))
     pattern = re.compile(r"^\s*(from|import)\s+test_\w+", re.MULTILINE)
-    offenders = {}
-    for name in sorted(os.listdir(here)):
-        if name.endswith(".py"):
-            with open(os.path.join(here, name)) as f:
+    offenders, loose = {}, []
+    for root, _, names in os.walk(TESTS_DIR):
+        for name in sorted(names):
+            if not name.endswith(".py"):
+                continue
+            if name.startswith("test_") and root == TESTS_DIR:
+                loose.append(name)
+            with open(os.path.join(root, name)) as f:
                 found = pattern.findall(f.read())
             if found:
-                offenders[name] = len(found)
+                offenders[os.path.relpath(os.path.join(root, name), TESTS_DIR)] = len(found)
     assert offenders == {}
+    assert loose == []

@@ -12,7 +12,7 @@ as without them (ms_loadpatch/strategy/building/):
 - from_config / _from_config with the techniques (seeded random init);
 - a model under mindspore.jit (graph mode): forward and gradients;
 - primitives built by primitive-defaults: the same Python and C++ state.
-Faults and threads: tests/test_faults_concurrency.py.
+Faults and threads: tests/faults/test_faults_concurrency.py.
 """
 
 import os

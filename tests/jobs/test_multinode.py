@@ -22,13 +22,13 @@ import time
 from pathlib import Path
 
 import pytest
-from _helpers import assert_same_arrays, npz_arrays
+from _helpers import TESTS_DIR, assert_same_arrays, npz_arrays
 
 from ms_loadpatch.strategy.shares import read_layouts
 from ms_loadpatch.tools import slow_storage
 from ms_loadpatch.tools.nodes import NodesJob
 
-HERE = os.path.dirname(os.path.abspath(__file__))
+HERE = TESTS_DIR
 WORKER = os.path.join(HERE, "_msrun_worker.py")
 JOB_SECONDS = 240
 CHUNK_MB = 4
