@@ -8,6 +8,7 @@ their findings into the technique rows and the per-library gate.
 
 from __future__ import annotations
 
+from . import versions
 from .strategy.verdict import Problem
 
 # mindone's ModuleUtilsMixin methods that targets.py patches; PreTrainedModel
@@ -258,9 +259,12 @@ def _probe_draws() -> str | None:
 
 # the techniques a Problem of probe() names
 LAZY_FILL, RANDOM_DRAWS, CELL_TO, MIXIN_METHODS = "lazy-fill", "random-draws", "cell-to-keeping-lazy", "mixin-methods"
+# ... the API every technique needs (a Problem of it skips every library), and two probed for the calls that build
+# then fill (a Problem of either gates no library: those calls copy instead)
+FAST_PATH, ADOPTED_PARAMETERS, LAZY_ASSIGN = "fast-path", "adopted-parameters", "lazy-assign"
 
 
-def probe(ms) -> tuple[tuple[str, ...], tuple[Problem, ...], dict]:
+def probe(ms) -> tuple[tuple[Problem, ...], tuple[Problem, ...], dict]:
     """(why `ms` cannot take the fast path at all, the Problems that skip one
     library's or one technique's fast path, optional features present); empty when it can."""
     problems = []
@@ -324,4 +328,12 @@ def probe(ms) -> tuple[tuple[str, ...], tuple[Problem, ...], dict]:
                 f"nn.Cell.{name} shadows mindone's ModuleUtilsMixin.{name}, which the fast path patches",
             )
         library_problems.append(problem)
-    return tuple(problems), tuple(library_problems), features
+    everywhere = tuple(Problem(FAST_PATH, versions.LIBRARIES, reason) for reason in problems)
+    if not problems:
+        failed = probe_adoption(ms)
+        if failed is not None:
+            library_problems.append(Problem(ADOPTED_PARAMETERS, (), failed))
+        failed = probe_lazy_assign(ms)
+        if failed is not None:
+            library_problems.append(Problem(LAZY_ASSIGN, (), failed))
+    return everywhere, tuple(library_problems), features

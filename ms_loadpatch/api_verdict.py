@@ -103,16 +103,13 @@ class ApiVerdict:
     # Checkpoint arrays to tensors without a copy: `Tensor.from_numpy`, with
     # bf16 read as `mindspore.common.np_dtype.bfloat16`.
     to_tensor: str
-    # Why this mindspore cannot take the fast path at all (empty when it can).
-    problems: tuple[str, ...] = ()
-    # verdict.Problem: a technique that cannot be used on this mindspore, and the libraries it gates.
+    # verdict.Problem: why this mindspore cannot take the fast path at all (empty when it can).
+    problems: tuple = ()
+    # verdict.Problem: a technique that cannot be used on this mindspore, and the libraries it gates
+    # (none for adopted-parameters and lazy-assign: the calls that build then fill copy instead).
     library_problems: tuple = ()
     # optional mindspore features (FEATURES) present in this mindspore
     features: dict = dataclasses.field(default_factory=dict)
-    # why a checkpoint array cannot become a Parameter over its own buffer here (None: it can)
-    adoption_problem: str | None = None
-    # why a copy into a lazy parameter (assign_value) cannot skip its fill here (None: it can)
-    lazy_assign_problem: str | None = None
 
     def problem_of(self, technique: str) -> str | None:
         """Why `technique` (api_probes' names) cannot be used here, or None."""
@@ -126,81 +123,80 @@ class ApiVerdict:
         return self.problem_of(RANDOM_DRAWS)
 
     @property
+    def adopts(self) -> bool:
+        """Whether a checkpoint array may become a Parameter over its own buffer here."""
+        from .api_probes import ADOPTED_PARAMETERS
+
+        return not self.problems and self.problem_of(ADOPTED_PARAMETERS) is None
+
+    @property
+    def assigns_lazily(self) -> bool:
+        """Whether a copy into a lazy parameter (assign_value) may skip its fill here."""
+        from .api_probes import LAZY_ASSIGN
+
+        return not self.problems and self.problem_of(LAZY_ASSIGN) is None
+
+    @property
     def refusal(self) -> str | None:
         if not self.problems:
             return None
-        return f"mindspore {self.mindspore} cannot take the fast path: {'; '.join(self.problems)}"
+        return f"mindspore {self.mindspore} cannot take the fast path: {'; '.join(p.reason for p in self.problems)}"
 
-    def rows(self) -> list[dict]:
-        """The techniques with their probe results, for status() (strategy.verdict's row shape)."""
-        from .strategy.verdict import ACTIVE, SKIPPED
+    def rows(self) -> list:
+        """The techniques with their probe results, for status() (strategy.verdict.TechniqueRow)."""
+        from .api_probes import ADOPTED_PARAMETERS, CELL_TO, LAZY_ASSIGN, RANDOM_DRAWS
+        from .strategy.verdict import ACTIVE, SKIPPED, TechniqueRow
 
-        everywhere = "; ".join(self.problems)
+        everywhere = "; ".join(p.reason for p in self.problems)
+
+        def row(name, description, own=None, libraries=versions.LIBRARIES):
+            reason = own or everywhere
+            return TechniqueRow(name, description, SKIPPED if reason else ACTIVE, reason, libraries)
+
         rows = [
-            {"name": "lazy-construction", "libraries": list(versions.LIBRARIES), "description": self.construct},
-            {"name": "to-tensor", "libraries": list(versions.LIBRARIES), "description": self.to_tensor},
-            {"name": "assign", "libraries": list(versions.LIBRARIES), "description": self.assign},
-            {"name": "cast", "libraries": list(versions.LIBRARIES), "description": self.cast},
-        ]
-        for row in rows:
-            row.update(state=SKIPPED if everywhere else ACTIVE, reason=everywhere)
-        from .api_probes import CELL_TO, RANDOM_DRAWS
-
-        own = self.draws_problem
-        rows.append(
-            {
-                "name": RANDOM_DRAWS,
-                "libraries": list(versions.LIBRARIES),
-                "description": "a lazily built parameter takes, when made, the numpy draws of the initializer "
+            row("lazy-construction", self.construct),
+            row("to-tensor", self.to_tensor),
+            row("assign", self.assign),
+            row("cast", self.cast),
+            row(
+                RANDOM_DRAWS,
+                "a lazily built parameter takes, when made, the numpy draws of the initializer "
                 "the unpatched build runs; one the checkpoint lacks is filled with them "
                 "(probed against plain builds)",
-                "state": SKIPPED if own or everywhere else ACTIVE,
-                "reason": own or everywhere,
-            }
-        )
-        rows.append(
-            {
-                "name": "adopted-parameters",
-                "libraries": ["diffusers"],
-                "description": "a single-file checkpoint read inside from_single_file becomes Parameters over "
+                self.draws_problem,
+            ),
+            row(
+                ADOPTED_PARAMETERS,
+                "a single-file checkpoint read inside from_single_file becomes Parameters over "
                 "the read buffer, not copies (probed against Parameter(array))",
-                "state": SKIPPED if self.adoption_problem or everywhere else ACTIVE,
-                "reason": self.adoption_problem or everywhere,
-            }
-        )
-        rows.append(
-            {
-                "name": "lazy-assign",
-                "libraries": list(versions.LIBRARIES),
-                "description": "inside a call that builds then fills, assign_value into a lazy parameter "
+                self.problem_of(ADOPTED_PARAMETERS),
+                ("diffusers",),
+            ),
+            row(
+                LAZY_ASSIGN,
+                "inside a call that builds then fills, assign_value into a lazy parameter "
                 "(Cell.load_state_dict) takes a copy without the random fill it overwrites "
                 "(probed against assign_value on a plain parameter; else filled, then assigned)",
-                "state": SKIPPED if self.lazy_assign_problem or everywhere else ACTIVE,
-                "reason": self.lazy_assign_problem or everywhere,
-            }
-        )
+                self.problem_of(LAZY_ASSIGN),
+            ),
+        ]
         if self.features.get("cell_to"):
-            own = self.problem_of(CELL_TO)
             rows.append(
-                {
-                    "name": CELL_TO,
-                    "libraries": ["transformers"],
-                    "description": "nn.Cell.to inside an accelerated load leaves lazy parameters unread "
-                    "(probed against nn.Cell.to)",
-                    "state": SKIPPED if own or everywhere else ACTIVE,
-                    "reason": own or everywhere,
-                }
+                row(
+                    CELL_TO,
+                    "nn.Cell.to inside an accelerated load leaves lazy parameters unread (probed against nn.Cell.to)",
+                    self.problem_of(CELL_TO),
+                    ("transformers",),
+                )
             )
         return rows
 
     def refusal_for(self, library: str) -> str | None:
         """Why `library`'s targets are skipped on this mindspore, or None."""
-        own = tuple(problem.reason for problem in self.library_problems if library in problem.libraries)
-        if not self.problems and not own:
+        reasons = tuple(p.reason for p in self.problems + self.library_problems if library in p.libraries)
+        if not reasons:
             return None
-        return (
-            f"mindspore {self.mindspore} cannot take the mindone.{library} fast path: {'; '.join(self.problems + own)}"
-        )
+        return f"mindspore {self.mindspore} cannot take the mindone.{library} fast path: {'; '.join(reasons)}"
 
 
 def api_verdict() -> ApiVerdict:
@@ -219,8 +215,6 @@ def _probe() -> ApiVerdict:
 
     with randomstate.kept():  # the probes fill parameters from random initializers
         problems, library_problems, features = api_probes.probe(ms)
-        adoption_problem = api_probes.probe_adoption(ms) if not problems else None
-        lazy_assign_problem = api_probes.probe_lazy_assign(ms) if not problems else None
     result = ApiVerdict(
         mindspore=str(getattr(ms, "__version__", versions.installed_version("mindspore"))),
         assign="Parameter.set_data (transformers: then its lazy initializer dropped, as Parameter.init_data does)",
@@ -230,8 +224,6 @@ def _probe() -> ApiVerdict:
         problems=problems,
         library_problems=library_problems,
         features=features,
-        adoption_problem=adoption_problem,
-        lazy_assign_problem=lazy_assign_problem,
     )
     if result.refusal:
         logger.warning("ms_loadpatch: targets are skipped: %s", result.refusal)

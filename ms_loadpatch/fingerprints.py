@@ -84,9 +84,9 @@ def library_problem(library: str) -> str | None:
     return "; ".join(r for r in reasons if r) or None
 
 
-def rows() -> list[dict]:
+def rows() -> list:
     """status()'s row: whether the mindone code each library's glue repeats is unchanged here."""
-    from .strategy.verdict import ACTIVE, SKIPPED
+    from .strategy.verdict import ACTIVE, SKIPPED, TechniqueRow
 
     libraries = ("transformers", "diffusers")
     parts, skipped = [], []
@@ -101,15 +101,15 @@ def rows() -> list[dict]:
         else:
             parts.append(f"{library}: the {len(names)} functions' source as repeated")
     return [
-        {
-            "name": "repeated-mindone-code",
-            "libraries": list(libraries),
-            "description": "mindone functions the glue repeats instead of calling (key conversion, init pass, "
+        TechniqueRow(
+            "repeated-mindone-code",
+            "mindone functions the glue repeats instead of calling (key conversion, init pass, "
             "tie_weights, casts, reads), checked by the hash of their source; a library whose "
             "code differs loads on mindone's own path",
-            "state": SKIPPED if skipped else ACTIVE,
-            "reason": "; ".join(parts),
-        }
+            SKIPPED if skipped else ACTIVE,
+            "; ".join(parts),
+            libraries,
+        )
     ]
 
 

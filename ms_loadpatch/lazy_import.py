@@ -40,6 +40,7 @@ import os
 import sys
 import threading
 import types
+import typing
 
 from . import activation, versions
 from .lazy_plan import Plan as _Plan
@@ -50,8 +51,17 @@ ENV_VAR = "MS_LOADPATCH_LAZY_IMPORT"
 _lock = threading.Lock()
 _installed = False
 _hooks_registered = False
-# package name -> {"state": "lazy" | "eager", "reason": str, "modules": tuple of deferred module names}
-_packages: dict[str, dict] = {}
+
+
+class PackageState(typing.NamedTuple):
+    """What became of one package's import."""
+
+    state: str  # "lazy" | "eager"
+    reason: str  # why it is eager
+    modules: tuple = ()  # the modules its plan deferred
+
+
+_packages: dict[str, PackageState] = {}
 _plans: dict[str, _Plan] = {}  # lazy package name -> its plan (the table behind __getattr__)
 _side_effect_errors: dict[str, str] = {}
 
@@ -83,11 +93,7 @@ def install() -> None:
             return
         for name in versions.LAZY_IMPORT_PACKAGES:
             if name in sys.modules and name not in _packages:
-                _packages[name] = {
-                    "state": "eager",
-                    "reason": "imported before ms_loadpatch was enabled",
-                    "modules": (),
-                }
+                _packages[name] = PackageState("eager", "imported before ms_loadpatch was enabled")
         if not _hooks_registered:
             import wrapt
 
@@ -118,17 +124,12 @@ def status() -> dict:
         row = _packages.get(name)
         if row is None:
             state = "not imported" if name not in sys.modules else "eager"
-            row = {
-                "state": state,
-                "reason": "" if state != "eager" else "imported while ms_loadpatch was not enabled",
-                "modules": (),
-            }
-        modules = row["modules"]
+            row = PackageState(state, "" if state != "eager" else "imported while ms_loadpatch was not enabled")
         packages[name] = {
-            "state": row["state"],
-            "reason": row["reason"],
-            "deferred": len(modules),
-            "imported_since": sum(m in sys.modules for m in modules),
+            "state": row.state,
+            "reason": row.reason,
+            "deferred": len(row.modules),
+            "imported_since": sum(m in sys.modules for m in row.modules),
         }
     return {
         "on": _installed and reason is None,
@@ -142,7 +143,7 @@ def status() -> dict:
 def _import_writers(reader) -> None:
     """Post-import hook of a registry's reader: import the modules that write
     into it, as the eager import would have, when a lazy package skipped them."""
-    if not any(row["state"] == "lazy" for row in _packages.values()):
+    if not any(row.state == "lazy" for row in _packages.values()):
         return
     for name in versions.LAZY_IMPORT_SIDE_EFFECTS.get(reader.__name__, ()):
         _import_quietly(name)
@@ -176,11 +177,9 @@ class _Finder:
         if spec is None:
             return None
         if type(spec.loader) is not importlib.machinery.SourceFileLoader or not spec.submodule_search_locations:
-            _packages[fullname] = {
-                "state": "eager",
-                "modules": (),
-                "reason": f"loaded by {type(spec.loader).__name__}, not from its source file",
-            }
+            _packages[fullname] = PackageState(
+                "eager", f"loaded by {type(spec.loader).__name__}, not from its source file"
+            )
             return spec
         spec.loader = _LazyInitLoader(spec.loader.name, spec.loader.path)
         return spec
@@ -200,7 +199,7 @@ class _LazyInitLoader(importlib.machinery.SourceFileLoader):
         try:
             plan = _Plan.build(name, self.path, self.get_data(self.path), _REGISTRY)
         except Exception as exc:  # anything unexpected: the eager import, as without the plugin
-            _packages[name] = {"state": "eager", "reason": f"{type(exc).__name__}: {exc}", "modules": ()}
+            _packages[name] = PackageState("eager", f"{type(exc).__name__}: {exc}")
             return super().exec_module(module)
         module.__class__ = LazyPackage
         _plans[name] = plan
@@ -209,7 +208,7 @@ class _LazyInitLoader(importlib.machinery.SourceFileLoader):
             _import_quietly(along)
         # what __loader__ and __spec__ show is the eager import's (a reload imports eagerly)
         module.__spec__.loader = module.__loader__ = importlib.machinery.SourceFileLoader(name, self.path)
-        _packages[name] = {"state": "lazy", "reason": "", "modules": plan.deferred_modules()}
+        _packages[name] = PackageState("lazy", "", plan.deferred_modules())
 
 
 class LazyPackage(types.ModuleType):
@@ -239,7 +238,7 @@ class LazyPackagesView:
         return sorted(
             n
             for n, row in list(_packages.items())
-            if row["state"] == "lazy" and n in _plans and (n + ".").startswith(top + ".")
+            if row.state == "lazy" and n in _plans and (n + ".").startswith(top + ".")
         )
 
     @staticmethod

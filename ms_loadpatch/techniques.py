@@ -7,17 +7,18 @@ probed per mindspore), "cast-on-read" (strategy/castread.py), "cell-passes"
 (strategy/cellpasses.py), "construction" (strategy/building/) and
 "repeated-code" (fingerprints.py: mindone code the glue repeats). Above the
 strategy and versions.py: it reads both. A new kind is one entry in `_KINDS`:
-a function giving its rows (name, libraries, description, state, reason).
+a function giving its rows (strategy.verdict.TechniqueRow).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 
 from . import versions
 
 
-def _api_rows() -> list[dict]:
+def _api_rows() -> list:
     from .api_verdict import api_verdict
 
     return api_verdict().rows()
@@ -44,13 +45,7 @@ def _construction_rows() -> list[dict]:
     if building.window.start_after_cells(checkpoint_tensors=early) != start:
         when += f" (its first for a checkpoint of {early}+ tensors)"
     return [
-        {
-            "name": row["name"],
-            "libraries": list(versions.LIBRARIES),
-            "description": f"{when}: {row['description']}",
-            "state": row["state"],
-            "reason": row["reason"],
-        }
+        dataclasses.replace(row, libraries=versions.LIBRARIES, description=f"{when}: {row.description}")
         for row in building.technique_status()
     ]
 
@@ -80,14 +75,14 @@ def status_rows() -> list[dict]:
     for kind, make_rows in _KINDS:
         if kind != "api" and not _lazy_construction_active(rows):
             continue
-        rows += [{**row, "kind": kind} for row in make_rows()]
-    return rows
+        rows += [dataclasses.replace(row, kind=kind) for row in make_rows()]
+    return [row.as_dict() for row in rows]
 
 
 def _lazy_construction_active(rows) -> bool:
     from .strategy.verdict import ACTIVE
 
-    return any(r["name"] == "lazy-construction" and r["state"] == ACTIVE for r in rows)
+    return any(r.name == "lazy-construction" and r.state == ACTIVE for r in rows)
 
 
 def last_build() -> dict | None:

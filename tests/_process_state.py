@@ -14,6 +14,7 @@ import ms_loadpatch
 from ms_loadpatch import core
 from ms_loadpatch.glue.build_then_fill import BuildThenFillCall
 from ms_loadpatch.strategy.building.lazy import CONSTRUCTION_LOCK
+from ms_loadpatch.strategy.lane import lane
 from ms_loadpatch.strategy.load import Load
 
 
@@ -63,6 +64,12 @@ def assert_state_restored(before: dict) -> None:
     assert _lock_is_free(), "construction lock still held"
     assert Load.current() is None, "a load is still current"
     assert BuildThenFillCall.current() is None, "a build-then-fill call is still current"
+    build = lane.build
+    held = build is not None and (
+        build.ledger is not None or build.fast_assign is not None or build.foreign or build.owing or build.replay
+    )
+    assert not held, "the thread's build session still holds a build's state"
+    assert not lane.probing_cell_passes, "the cell-passes probe is still marked running"
     changed = {k for k in before["env"].keys() | after["env"].keys() if before["env"].get(k) != after["env"].get(k)}
     assert not changed, f"environment variables changed: {sorted(changed)}"
     from ms_loadpatch.strategy import building

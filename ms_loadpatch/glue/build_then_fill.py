@@ -13,12 +13,11 @@ from ..api_verdict import api_verdict
 from ..strategy import reports
 from ..strategy.building.construction import built_with_draws
 from ..strategy.building.lazy import CONSTRUCTION_LOCK
-from ..strategy.load import Lane
+from ..strategy.lane import entered, lane
 
 logger = logging.getLogger("ms_loadpatch")
 
 _TECHNIQUE = "lazy construction with each parameter's draws taken when made, then mindone's own copies"
-_CALLS = Lane()
 
 
 class BuildThenFillCall:
@@ -31,19 +30,19 @@ class BuildThenFillCall:
 
     @staticmethod
     def current() -> BuildThenFillCall | None:
-        return _CALLS.current()
+        return lane.build_then_fill
 
     def adopts_checkpoint(self) -> bool:
         """Whether a checkpoint read now may become Parameters over the read tensors (tensors.adopted_parameter,
         probed): inside a model's or a pipeline's from_single_file, whose set_data copies alias them."""
         inside = self.building == "from_single_file" or self.pipeline_file
-        return inside and api_verdict().adoption_problem is None
+        return inside and api_verdict().adopts
 
 
 def adopting_pipeline_file(wrapped, instance, args, kwargs):
     """A pipeline's from_single_file: the call as it is, its file read for adoption."""
-    outer = _CALLS.current()
-    with _CALLS.entered(BuildThenFillCall(outer.building if outer else None, True)):
+    outer = lane.build_then_fill
+    with entered("build_then_fill", BuildThenFillCall(outer.building if outer else None, True)):
         return wrapped(*args, **kwargs)
 
 
@@ -67,9 +66,9 @@ def _accelerated(wrapped, model_class, args, kwargs, into=None):
     def call():
         return wrapped(*args, **kwargs)
 
-    outer = _CALLS.current()
+    outer = lane.build_then_fill
     if outer is not None and outer.building:  # called by another such call: filled before the outer copies them
-        foreign, fast_assign = _source_parameters(args, kwargs, into), api_verdict().lazy_assign_problem is None
+        foreign, fast_assign = _source_parameters(args, kwargs, into), api_verdict().assigns_lazily
         return built_with_draws(call, foreign=foreign, fast_assign=fast_assign, into=into)[0]
     with core.accelerated_load() as allowed:
         reason = "ms_loadpatch is being disabled" if not allowed else api_verdict().draws_problem
@@ -79,8 +78,8 @@ def _accelerated(wrapped, model_class, args, kwargs, into=None):
                 return call()
         report = reports.LoadReport(model_class, wrapped.__module__.split(".")[1])
         report.technique = f"{wrapped.__name__}: {_TECHNIQUE}"
-        foreign, fast_assign = _source_parameters(args, kwargs, into), api_verdict().lazy_assign_problem is None
-        with _CALLS.entered(BuildThenFillCall(wrapped.__name__, outer.pipeline_file if outer else False)):
+        foreign, fast_assign = _source_parameters(args, kwargs, into), api_verdict().assigns_lazily
+        with entered("build_then_fill", BuildThenFillCall(wrapped.__name__, outer.pipeline_file if outer else False)):
             with report.phase("build and fill"):
                 result, report.missing_initialised = built_with_draws(
                     call, when_built=report.note_construction, foreign=foreign, fast_assign=fast_assign, into=into

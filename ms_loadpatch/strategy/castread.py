@@ -169,12 +169,11 @@ def _nan_recipe(values, want, differ):
     return tuple(recipe)
 
 
-def technique_status(libraries: list) -> dict:
+def technique_status(libraries: list) -> verdict.TechniqueRow:
     """status()'s row for `libraries`: the dtype pairs cast while reading (probe
     passed) and those left to Tensor.set_dtype, with why. Runs the probes."""
     if switched_off():
         return verdict.row_off(NAME, libraries, DESCRIPTION)
-    row = {"name": NAME, "libraries": libraries, "description": DESCRIPTION}
     floating = _floating()
     passed, failed = [], []
     for source in floating:
@@ -186,12 +185,13 @@ def technique_status(libraries: list) -> dict:
             if nan_bits is not None:
                 pair += f" (NaNs as set_dtype makes them: {nan_bits[0]:#x} / {nan_bits[1]:#x})"
             (passed.append(pair) if problem is None else failed.append(f"{pair}: {problem}"))
-    row["description"] += "; for " + (", ".join(passed) or "no dtype pair")
-    return {
-        **row,
-        "state": verdict.ACTIVE if passed else verdict.SKIPPED,
-        "reason": ("left to Tensor.set_dtype: " + "; ".join(failed)) if failed else "",
-    }
+    return verdict.TechniqueRow(
+        NAME,
+        DESCRIPTION + "; for " + (", ".join(passed) or "no dtype pair"),
+        verdict.ACTIVE if passed else verdict.SKIPPED,
+        ("left to Tensor.set_dtype: " + "; ".join(failed)) if failed else "",
+        tuple(libraries),
+    )
 
 
 class CastPlan:

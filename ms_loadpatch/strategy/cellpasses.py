@@ -24,9 +24,8 @@ MS_LOADPATCH_TECHNIQUES_OFF=cell-passes turns it off.
 
 from __future__ import annotations
 
-import threading
-
 from . import randomstate, switch, verdict
+from .lane import entered, lane
 from .probe_cache import ProbeCache
 
 NAME = "cell-passes"
@@ -94,7 +93,6 @@ KNOWN_NAMES = {
 # Plain values: nn.Cell.__setattr__ gives these to _set_attr_for_object (not Parameters, cells, tensors, lists).
 _PLAIN_VALUES = (bool, int, str, dict)
 
-_probing = threading.local()
 _verdicts = ProbeCache()  # "twins": the reason or None
 _plain: dict[tuple, bool] = {}  # (class, methods, names) -> plain
 
@@ -256,7 +254,7 @@ def probe() -> str | None:
     outside construction windows: a load asks before its build). Asked from
     inside the probe (a patched method it calls) or a window before it ran:
     not yet, so mindspore's path."""
-    if getattr(_probing, "active", False):
+    if lane.probing_cell_passes:
         return "the probe is running"
     from .building import window
 
@@ -266,12 +264,8 @@ def probe() -> str | None:
 
 
 def _probe_marked() -> str | None:
-    _probing.active = True
-    try:
-        with randomstate.kept():
-            return _probe()
-    finally:
-        _probing.active = False
+    with entered("probing_cell_passes", True), randomstate.kept():
+        return _probe()
 
 
 def _code_problem(function, known: set) -> str | None:
@@ -355,7 +349,7 @@ def _compare_twins(nn) -> str | None:
     return None
 
 
-def technique_status(libraries: list) -> dict:
+def technique_status(libraries: list) -> verdict.TechniqueRow:
     """status()'s row, for the `libraries` whose glue uses these passes; runs the probe."""
     if switched_off():
         return verdict.row_off(NAME, libraries, DESCRIPTION)

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import threading
 import time
 
 import mindspore as ms
@@ -19,31 +18,10 @@ import mindspore as ms
 from . import cooperative, reports
 from .building.construction import lazy_construction
 from .castread import CastRegistry
+from .lane import entered, lane
 from .prefetch import CheckpointFiles, start_prefetch, take_or_read
 from .safetensors_header import CheckpointError
 from .tensors import to_tensor
-
-
-class Lane:
-    """Objects of one kind running in this thread: `current()` is the
-    innermost, `entered(obj)` makes `obj` current for a block."""
-
-    def __init__(self):
-        self._local = threading.local()
-
-    def current(self):
-        return getattr(self._local, "innermost", None)
-
-    @contextlib.contextmanager
-    def entered(self, obj):
-        outer, self._local.innermost = self.current(), obj
-        try:
-            yield obj
-        finally:
-            self._local.innermost = outer
-
-
-_LOADS = Lane()
 
 
 class Load:
@@ -68,7 +46,7 @@ class Load:
     @classmethod
     def current(cls):
         """The load running in this thread, if it is one of this kind, else None."""
-        load = _LOADS.current()
+        load = lane.load
         return load if isinstance(load, cls) else None
 
     @contextlib.contextmanager
@@ -76,7 +54,7 @@ class Load:
         """This load current in this thread for the block; its window and
         cleanup closed after it, also on error, and its report emitted."""
         start = time.perf_counter()
-        with _LOADS.entered(self):
+        with entered("load", self):
             try:
                 yield self
             except BaseException:

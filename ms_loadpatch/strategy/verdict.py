@@ -21,23 +21,41 @@ class Problem:
     reason: str
 
 
-def row(name: str, libraries, description: str, problem: str | None, passed: str) -> dict:
-    """status()'s row of a probed technique switched on: active (reason
-    `passed`) when its probe found no `problem`, else skipped with the
-    probe's reason. `libraries` None: left to the caller (the technique table)."""
+@dataclasses.dataclass(frozen=True)
+class TechniqueRow:
+    """status()'s row of one speed technique, whatever its kind."""
+
+    name: str
+    description: str
+    state: str  # ACTIVE, SKIPPED or OFF
+    reason: str
+    libraries: tuple[str, ...] = ()  # empty: the technique table (techniques.py) gives them
+    kind: str = ""  # the technique table's kind, set there
+
+    def as_dict(self) -> dict:
+        """The row as status() shows it."""
+        return {
+            "name": self.name,
+            "libraries": list(self.libraries),
+            "description": self.description,
+            "state": self.state,
+            "reason": self.reason,
+            "kind": self.kind,
+        }
+
+
+def row(name: str, libraries, description: str, problem: str | None, passed: str) -> TechniqueRow:
+    """The row of a probed technique switched on: active (reason `passed`)
+    when its probe found no `problem`, else skipped with the probe's reason.
+    `libraries` None: left to the technique table."""
     if problem is None:
-        return _row(name, libraries, description, ACTIVE, passed)
-    return _row(name, libraries, description, SKIPPED, f"probe failed: {problem}")
+        return TechniqueRow(name, description, ACTIVE, passed, tuple(libraries or ()))
+    return TechniqueRow(name, description, SKIPPED, f"probe failed: {problem}", tuple(libraries or ()))
 
 
-def row_off(name: str, libraries, description: str) -> dict:
+def row_off(name: str, libraries, description: str) -> TechniqueRow:
     """The row of a technique MS_LOADPATCH_TECHNIQUES_OFF names (its probe need not run)."""
-    return _row(name, libraries, description, OFF, switch.reason_off())
-
-
-def _row(name, libraries, description, state, reason) -> dict:
-    row = {"name": name} if libraries is None else {"name": name, "libraries": list(libraries)}
-    return {**row, "description": description, "state": state, "reason": reason}
+    return TechniqueRow(name, description, OFF, switch.reason_off(), tuple(libraries or ()))
 
 
 def unknown_globals(function, known) -> list[str] | None:

@@ -32,16 +32,16 @@ ROWS = NAMES + [deferred_writes.NAME, init_pass.BATCHED_DRAWS]
 @pytest.mark.matrix
 def test_every_probe_passes_on_this_mindspore():
     rows = building.technique_status()
-    assert [r["name"] for r in rows] == ROWS
+    assert [r.name for r in rows] == ROWS
     for row in rows:
-        assert set(row) == {"name", "description", "state", "reason"}
-        assert row["state"] == "active", row
-        assert row["description"]
+        assert row.libraries == () and row.reason.startswith("probe passed"), row  # libraries: the table's
+        assert row.state == "active", row
+        assert row.description
 
 
 def test_env_var_switches_techniques_off():
     with techniques_off("signature-cache, gc-pause"):
-        states = {r["name"]: r["state"] for r in building.technique_status()}
+        states = {r.name: r.state for r in building.technique_status()}
         assert states == {
             "cell-init-template": "active",
             "signature-cache": "off",
@@ -62,12 +62,12 @@ def test_env_var_switches_techniques_off():
         assert [t.name for t in building.active_techniques(early=True)] == ["host-factories"]
     with techniques_off("deferred-writes"):
         assert deferred_writes.usable_kinds() == frozenset()
-        assert {r["name"]: r["state"] for r in building.technique_status()}["deferred-writes"] == "off"
+        assert {r.name: r.state for r in building.technique_status()}["deferred-writes"] == "off"
     with techniques_off("all"):
         rows = building.technique_status()
-        assert [r["name"] for r in rows] == ROWS
-        assert {r["state"] for r in rows} == {"off"}
-        assert all(switch.ENV_VAR in r["reason"] for r in rows)
+        assert [r.name for r in rows] == ROWS
+        assert {r.state for r in rows} == {"off"}
+        assert all(switch.ENV_VAR in r.reason for r in rows)
         original = vars(nn.Cell)["__init__"]
         with CONSTRUCTION_LOCK, building.fast_construction():
             assert vars(nn.Cell)["__init__"] is original
@@ -237,7 +237,7 @@ def test_probes_run_with_collection_paused(monkeypatch):
         prepare = technique.prepare
         monkeypatch.setattr(technique, "prepare", lambda prepare=prepare: seen.append(gc.isenabled()) or prepare())
     assert gc.isenabled()
-    assert all(row["state"] == "active" for row in building.technique_status())
+    assert all(row.state == "active" for row in building.technique_status())
     assert seen and not any(seen)
     assert gc.isenabled() and building.leftovers() == []
 
@@ -256,7 +256,7 @@ def test_failed_probe_skips_and_load_stays_identical(checkpoints, monkeypatch):
     monkeypatch.setattr(deferred_writes, "_verdicts", ProbeCache({"kinds": failed_writes}))
     monkeypatch.setattr(batched_draws, "_checks", ProbeCache({"checks": ("simulated probe failure", False)}))
     rows = building.technique_status()
-    assert {r["state"] for r in rows} == {"skipped"} and all("simulated" in r["reason"] for r in rows)
+    assert {r.state for r in rows} == {"skipped"} and all("simulated" in r.reason for r in rows)
     installs = []
     for technique in building.TECHNIQUES:
         monkeypatch.setattr(technique, "install", lambda t=technique: installs.append(t.name) or False)

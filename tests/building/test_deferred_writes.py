@@ -212,7 +212,7 @@ def test_a_write_whose_replay_differs_is_filled_then_run_and_status_names_it(che
         kinds, problems = deferred_writes.verified()
         assert "normal_" not in kinds and "zero_" in kinds and "normal_" in problems
         row = deferred_writes.status_row()
-        assert row["state"] == "active" and "normal_" in row["reason"] and "filled, then run" in row["reason"]
+        assert row.state == "active" and "normal_" in row.reason and "filled, then run" in row.reason
         ms.set_seed(9)
         ref, acc = load_both(lambda: cls.from_pretrained(checkpoints["qwen3-moe", "lacking"]))
         assert_same_model(ref, acc)

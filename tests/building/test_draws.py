@@ -350,7 +350,7 @@ def test_batched_draws_are_checked_and_a_changed_numpy_seed_is_refused(monkeypat
     monkeypatch.setattr(module, "_numpy_seed", lambda: np.random.randint(low=1, high=(1 << 62), dtype=np.int64))
     assert "_numpy_seed is not" in batched_draws.problem()
     row = init_pass.batched_draws_row()
-    assert row["state"] == "skipped" and "_numpy_seed" in row["reason"]
+    assert row.state == "skipped" and "_numpy_seed" in row.reason
 
 
 @pytest.mark.matrix  # numpy's MT19937 words and legacy randint, per installed numpy

@@ -25,11 +25,14 @@ from _process_state import assert_state_restored, process_state, raised
 import ms_loadpatch
 from ms_loadpatch.glue import diffusers as df_glue
 from ms_loadpatch.glue import transformers as tf_glue
-from ms_loadpatch.glue.build_then_fill import _CALLS, BuildThenFillCall
+from ms_loadpatch.glue.build_then_fill import BuildThenFillCall
 from ms_loadpatch.strategy import load as strategy_load
 from ms_loadpatch.strategy import prefetch, reader, reports
+from ms_loadpatch.strategy.building.draws import Ledger
 from ms_loadpatch.strategy.building.lazy import CONSTRUCTION_LOCK
-from ms_loadpatch.strategy.load import _LOADS, Load
+from ms_loadpatch.strategy.building.session import session
+from ms_loadpatch.strategy.lane import lane
+from ms_loadpatch.strategy.load import Load
 from ms_loadpatch.testing import assert_same_model, compare, cpu_kernel_fallbacks, load_both, snapshot
 
 # name -> (class, config, file dtype, max shard size, dtype asked at load)
@@ -209,11 +212,13 @@ def test_state_check_detects_leaks():
         (lambda: setattr(ms.Parameter, "init_param", False), lambda: setattr(ms.Parameter, "init_param", True)),
         (CONSTRUCTION_LOCK.acquire, CONSTRUCTION_LOCK.release),
         (lambda: os.environ.__setitem__("MS_LOADPATCH_LEAK", "1"), lambda: os.environ.pop("MS_LOADPATCH_LEAK")),
-        (lambda: setattr(_LOADS._local, "innermost", Load("Leak")), lambda: delattr(_LOADS._local, "innermost")),
+        (lambda: setattr(lane, "load", Load("Leak")), lambda: setattr(lane, "load", None)),
         (
-            lambda: setattr(_CALLS._local, "innermost", BuildThenFillCall("from_unet", False)),
-            lambda: delattr(_CALLS._local, "innermost"),
+            lambda: setattr(lane, "build_then_fill", BuildThenFillCall("from_unet", False)),
+            lambda: setattr(lane, "build_then_fill", None),
         ),
+        (lambda: setattr(session(), "ledger", Ledger(classes=((), ()))), lambda: setattr(session(), "ledger", None)),
+        (lambda: setattr(session(), "fast_assign", True), lambda: setattr(session(), "fast_assign", None)),
     ]:
         leak()
         try:

@@ -209,9 +209,13 @@ def test_copies_into_lazy_parameters_without_the_fast_copy(unets, monkeypatch):
     does): the same model and random state."""
     import dataclasses
 
+    from ms_loadpatch.api_probes import LAZY_ASSIGN
     from ms_loadpatch.glue import build_then_fill
+    from ms_loadpatch.strategy.verdict import Problem
 
-    failed = dataclasses.replace(api_verdict(), lazy_assign_problem="injected: the fast copy differs")
+    injected = Problem(LAZY_ASSIGN, (), "injected: the fast copy differs")
+    failed = dataclasses.replace(api_verdict(), library_problems=api_verdict().library_problems + (injected,))
+    assert not failed.assigns_lazily
     monkeypatch.setattr(build_then_fill, "api_verdict", lambda: failed)
     reference, accelerated = load_both(lambda: CASES["union-controlnet"][1](unets["xl"]))
     assert_same_model(reference, accelerated)
@@ -221,7 +225,7 @@ def test_copies_into_lazy_parameters_without_the_fast_copy(unets, monkeypatch):
 def test_lazy_assign_probe_passes():
     """The fast copy into a lazy parameter is what assign_value leaves, on every mindspore of the range."""
 
-    assert api_verdict().lazy_assign_problem is None
+    assert api_verdict().assigns_lazily, api_verdict().library_problems
 
 
 def test_zeroed_blocks_and_random_embedding(unets):
@@ -350,7 +354,7 @@ def test_single_file_reads_into_the_model(single_files, monkeypatch):
     from ms_loadpatch.glue import diffusers as glue
 
     root, _ = single_files
-    assert api_verdict().adoption_problem is None
+    assert api_verdict().adopts, api_verdict().library_problems
     adopted = {}
 
     def spy(array, name):

@@ -57,7 +57,7 @@ def test_the_installed_mindone_is_the_code_repeated(checkpoints, rechecked):
         _loaded(checkpoints, library)  # imports every module the glue repeats code of
     assert {name: fingerprints.changed(name) for name in fingerprints.REPEATED} == dict.fromkeys(fingerprints.REPEATED)
     (row,) = fingerprints.rows()
-    assert row["state"] == "active" and "checked when" not in row["reason"], row
+    assert row.state == "active" and "checked when" not in row.reason, row
     assert any(r["name"] == "repeated-mindone-code" for r in ms_loadpatch.status()["techniques"])
 
 
@@ -78,7 +78,7 @@ def test_a_changed_function_sends_its_library_down_mindones_path(checkpoints, re
     assert other_accelerated, "the other library's loads are still accelerated"
     (row,) = fingerprints.rows()
     qualname = fingerprints.REPEATED[name][2]
-    assert row["state"] == "skipped" and qualname in row["reason"] and "source" in row["reason"], row
+    assert row.state == "skipped" and qualname in row.reason and "source" in row.reason, row
     with ms_loadpatch.disabled():
         reference = checkpoints[library][0].from_pretrained(checkpoints[library][1])
     assert_same_model(reference, model)

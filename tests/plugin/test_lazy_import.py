@@ -540,7 +540,7 @@ def test_what_the_parser_does_not_understand_is_imported_eagerly(synthetic, file
     except ImportError:
         module = None  # the eager import fails as it would without the plugin
     row = lazy_import._packages[name]
-    assert row["state"] == "eager" and reason in row["reason"], row
+    assert row.state == "eager" and reason in row.reason, row
     if module is not None:
         assert type(module) is types.ModuleType
 

@@ -265,7 +265,7 @@ def _bfloat16_maps_elsewhere(monkeypatch):
 def test_unusable_mindspore_is_reported(monkeypatch, fresh_techniques, simulate, expected):
     simulate(monkeypatch)
     chosen = api_verdict()
-    assert any(item.startswith(expected) for item in chosen.problems), chosen.problems
+    assert any(problem.reason.startswith(expected) for problem in chosen.problems), chosen.problems
     assert chosen.refusal.startswith(f"mindspore {chosen.mindspore} cannot take the fast path: ")
     for library in versions.LIBRARIES:
         assert expected in chosen.refusal_for(library)
@@ -339,13 +339,13 @@ def test_a_failed_draws_probe_is_named_by_technique(monkeypatch, fresh_technique
     assert chosen.draws_problem is not None and "seeds went elsewhere" in chosen.draws_problem
     assert chosen.problem_of(api_probes.CELL_TO) is None
     assert "seeds went elsewhere" in chosen.refusal_for("transformers") and chosen.refusal_for("diffusers") is None
-    rows = {row["name"]: row for row in chosen.rows()}
+    rows = {row.name: row for row in chosen.rows()}
     assert (
-        rows[api_probes.RANDOM_DRAWS]["state"] == "skipped"
-        and "seeds went elsewhere" in rows[api_probes.RANDOM_DRAWS]["reason"]
+        rows[api_probes.RANDOM_DRAWS].state == "skipped"
+        and "seeds went elsewhere" in rows[api_probes.RANDOM_DRAWS].reason
     )
     if api_probes.CELL_TO in rows:
-        assert rows[api_probes.CELL_TO]["state"] == "active", rows[api_probes.CELL_TO]
+        assert rows[api_probes.CELL_TO].state == "active", rows[api_probes.CELL_TO]
 
 
 def test_transformers_problem_skips_transformers_targets_only(monkeypatch, fresh_techniques):

@@ -103,7 +103,7 @@ def switched_off() -> set[str]:
     return {t.name for t in TECHNIQUES if switch.is_off(t.name)}
 
 
-def technique_status() -> list[dict]:
+def technique_status() -> list[verdict.TechniqueRow]:
     """One verdict.row per technique (its libraries left to the technique table,
     which knows them). Runs the probes (once per process); needs mindspore."""
     rows = []

@@ -411,7 +411,7 @@ def _compare(kind) -> str | None:
     return None
 
 
-def status_row() -> dict:
+def status_row():
     """status()'s row: active while any kind passed, naming those that did not."""
     from .. import switch, verdict
 
@@ -427,12 +427,9 @@ def status_row() -> dict:
     if problems:
         problem = "; ".join(f"{kind}: {why} (filled, then run)" for kind, why in sorted(problems.items()))
     if passed and problem:
-        return {
-            "name": NAME,
-            "description": description,
-            "state": verdict.ACTIVE,
-            "reason": f"active for {', '.join(sorted(passed))}; {problem}",
-        }
+        return verdict.TechniqueRow(
+            NAME, description, verdict.ACTIVE, f"active for {', '.join(sorted(passed))}; {problem}"
+        )
     return verdict.row(
         NAME, None, description, problem, passed="probe passed: record and replay equal the real op here"
     )

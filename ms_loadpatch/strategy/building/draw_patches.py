@@ -8,13 +8,11 @@ draw is taken), `Tensor.init_data` (where a kept seed is given back),
 
 from __future__ import annotations
 
-import threading
-
 import numpy as np
 
+from ..lane import lane
 from .swaps import SharedSwaps, Swaps
 
-local = threading.local()  # .ledger: accounting here; .replay: a seed to give back; .captured
 originals: dict = {}
 
 
@@ -41,18 +39,22 @@ def _install_filling():
     )
 
     def _numpy_seed():
-        replay = getattr(local, "replay", None)
+        build = lane.build
+        if build is None:
+            return numpy_seed()
+        replay = build.replay
         if replay is not None:
-            local.replay = None
+            build.replay = None
             return np.int64(replay) if type(replay) is int else replay  # batched_draws' words are ints
         seed = numpy_seed()
-        if getattr(local, "capturing", False):
-            local.captured = seed
+        if build.capturing:
+            build.captured = seed
             raise SeedTaken
         return seed
 
     def patched_init_data(self, *args, **kwargs):
-        ledger = getattr(local, "ledger", None)
+        build = lane.build
+        ledger = build.ledger if build is not None else None
         entry = ledger.seeds.pop(id(self), None) if ledger is not None else None
         if entry is None:
             return init_data(self, *args, **kwargs)
@@ -60,16 +62,17 @@ def _install_filling():
         if isinstance(taken, np.ndarray):  # run in full when made: its values
             self.init = Values(taken)
             return init_data(self, *args, **kwargs)
-        local.replay = taken
+        build.replay = taken
         try:
             return init_data(self, *args, **kwargs)
         finally:
-            left, local.replay = local.replay, None
+            left, build.replay = build.replay, None
             if left is not None:
                 raise RuntimeError("ms_loadpatch: an initializer filled a tensor without taking its random draw")
 
     def patched_parameter_init_data(self, *args, **kwargs):
-        ledger = getattr(local, "ledger", None)
+        build = lane.build
+        ledger = build.ledger if build is not None else None
         entry = None
         if ledger is not None and ledger.writes and self.has_init:
             entry = ledger.writes.pop(id(self.init_mode), None)
@@ -129,7 +132,8 @@ class _InitMode:
 
     def __set__(self, param, value):
         param.__dict__["init_mode"] = value
-        ledger = getattr(local, "ledger", None)
+        build = lane.build
+        ledger = build.ledger if build is not None else None
         if ledger is not None and value is not None:
             ledger.take(value)
             if ledger.assignments is not None:

@@ -31,14 +31,15 @@ import contextlib
 
 import numpy as np
 
+from ..lane import lane
 from ..probe_cache import ProbeCache
 from . import batched_draws
 from .draw_patches import ACCOUNTING as _ACCOUNTING
 from .draw_patches import FILLING as _FILLING
 from .draw_patches import SeedTaken as _SeedTaken
 from .draw_patches import leftovers  # noqa: F401 - building's leftovers() reads draws.leftovers
-from .draw_patches import local as _local
 from .draw_patches import originals as _originals
+from .session import holding
 
 # initializer classes (mindspore.common.initializer) by how many draws filling a tensor takes
 NO_DRAW = ("Zero", "One", "Constant")
@@ -90,10 +91,11 @@ class Ledger:
         key = None
         if kind in one_draw:
             try:
-                known = getattr(_local, "known", False)  # a copy whose recipe's draws this ledger knows
+                build = lane.build
+                known = build.known  # a copy whose recipe's draws this ledger knows
                 key = None if known else _draw_key(kind, tensor.shape, init)
                 if known or key in self.reached_draw:
-                    if getattr(_local, "owing", False):
+                    if build.owing:
                         self.seeds[id(tensor)] = (tensor, _OWED)  # taken once, at take_owed_draws()
                         self.owed.append(tensor)
                         return
@@ -107,17 +109,18 @@ class Ledger:
         if self.owed:
             self.take_owed_draws()  # the initializer below draws: the draws owed come first
         if kind in one_draw:
-            _local.capturing = True
+            build = lane.build
+            build.capturing = True
             try:
                 init(_capture_array(tensor.shape, _numpy_type(tensor.dtype)))
             except _SeedTaken:
-                self.seeds[id(tensor)] = (tensor, _local.captured)
+                self.seeds[id(tensor)] = (tensor, build.captured)
                 self.draws += 1
                 if key is not None:
                     self.reached_draw.add(key)
                 return
             finally:
-                _local.capturing = False
+                build.capturing = False
         scratch = np.ndarray(tensor.shape, dtype=_numpy_type(tensor.dtype))
         init(scratch)
         self.seeds[id(tensor)] = (tensor, scratch)  # filled without a draw we know: its values
@@ -215,13 +218,8 @@ def accounting(ledger: Ledger):
     """Lazy parameters made in this thread take their draws into `ledger`;
     a lazy tensor it holds gives its seed back when filled, here or later
     while `giving_back(ledger)` is held."""
-    outer = getattr(_local, "ledger", None)
-    with _FILLING, _ACCOUNTING:
-        _local.ledger = ledger
-        try:
-            yield ledger
-        finally:
-            _local.ledger = outer
+    with _FILLING, _ACCOUNTING, holding(ledger=ledger):
+        yield ledger
 
 
 class owing:  # noqa: N801 - a context manager, called as a function is
@@ -238,43 +236,36 @@ class owing:  # noqa: N801 - a context manager, called as a function is
         self.templates, self.ledger = templates, None
 
     def __enter__(self):
-        ledger = getattr(_local, "ledger", None)
-        if ledger is None or getattr(_local, "owing", False) or not ledger.batching():
+        build = lane.build
+        ledger = build.ledger if build is not None else None
+        if ledger is None or build.owing or not ledger.batching():
             return None
         known = self.templates is not None and ledger.knows_draws(self.templates)
         self.ledger = ledger
-        _local.owing, _local.known = True, known
+        build.owing, build.known = True, known
         return None
 
     def __exit__(self, *exc_info):
         ledger, self.ledger = self.ledger, None
         if ledger is not None:
-            _local.owing = _local.known = False
+            build = lane.build
+            build.owing = build.known = False
             ledger.take_owed_draws()
 
 
 @contextlib.contextmanager
 def suspended():
     """No accounting in this thread (objects the plain build does not make: probes, scratch parameters)."""
-    outer = getattr(_local, "ledger", None)
-    _local.ledger = None
-    try:
+    with holding(ledger=None):
         yield
-    finally:
-        _local.ledger = outer
 
 
 @contextlib.contextmanager
 def giving_back(ledger: Ledger):
     """Tensors `ledger` accounted for are filled with their own seeds (no new
     accounting: the ledger only gives back)."""
-    outer = getattr(_local, "ledger", None)
-    with _FILLING:
-        _local.ledger = _GiveBackOnly(ledger)
-        try:
-            yield
-        finally:
-            _local.ledger = outer
+    with _FILLING, holding(ledger=_GiveBackOnly(ledger)):
+        yield
 
 
 class _GiveBackOnly:

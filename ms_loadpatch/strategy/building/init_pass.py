@@ -231,7 +231,7 @@ def _filling_first(cls, name, fill, recorder, builder):
     return method
 
 
-def batched_draws_row() -> dict:
+def batched_draws_row():
     """status()'s row for replays' draws taken in batches."""
     from .. import verdict
 

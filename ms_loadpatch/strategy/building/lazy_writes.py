@@ -15,22 +15,23 @@ filled parameters get mindspore's own `assign_value`.
 from __future__ import annotations
 
 import contextlib
-import threading
 
 import numpy as np
 from mindspore import Parameter, Tensor
 
+from ..lane import lane
+from .session import holding
 from .swaps import SharedSwaps, Swaps
 
-_local = threading.local()  # .fast: this thread's build takes copies; .foreign: ids of parameters not its own
 # Tensor's own assign_value (a Parameter's class derives from Tensor and Parameter); kept once
 # uninstalled, for a thread that looked the patched one up just before
 _original = None
 
 
 def _assign_value(self, value):
-    fast = getattr(_local, "fast", None)
-    if fast is None or not isinstance(self, Parameter) or not self.has_init or id(self) in _local.foreign:
+    build = lane.build
+    fast = build.fast_assign if build is not None else None
+    if fast is None or not isinstance(self, Parameter) or not self.has_init or id(self) in build.foreign:
         return _original(self, value)
     if fast and taken_as_copy(self, value):
         return self
@@ -70,13 +71,8 @@ def assigning(fast: bool, foreign=frozenset()):
     """assign_value on a lazy parameter in this thread lands, as described
     above; those whose id is in `foreign` (not made by this build) are left
     to mindspore."""
-    outer = getattr(_local, "fast", None), getattr(_local, "foreign", frozenset())
-    with _ASSIGNING:
-        _local.fast, _local.foreign = fast, foreign
-        try:
-            yield
-        finally:
-            _local.fast, _local.foreign = outer
+    with _ASSIGNING, holding(fast_assign=fast, foreign=foreign):
+        yield
 
 
 def leftovers() -> list[str]:
