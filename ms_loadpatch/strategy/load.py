@@ -17,6 +17,7 @@ import mindspore as ms
 
 from . import cooperative, reports
 from .building.construction import lazy_construction
+from .building.session import BuildSession
 from .castread import CastRegistry
 from .lane import entered, lane
 from .prefetch import CheckpointFiles, start_prefetch, take_or_read
@@ -40,6 +41,7 @@ class Load:
         self.listed_tensors: int | None = None  # tensors the checkpoint's index lists (None: no index seen)
         self.keys_read: set[str] = set()  # every key read, checked against the index
         self.last_file: str | None = None  # the file read last, named in errors about its tensors
+        self.build: BuildSession | None = None  # its build's session, current while it runs
         self.done = False  # the library's loading path ran to its end
         self.failed = False  # the load raised
 
@@ -54,7 +56,8 @@ class Load:
         """This load current in this thread for the block; its window and
         cleanup closed after it, also on error, and its report emitted."""
         start = time.perf_counter()
-        with entered("load", self):
+        self.build = BuildSession.inheriting(lane.build)
+        with entered("load", self), entered("build", self.build):
             try:
                 yield self
             except BaseException:

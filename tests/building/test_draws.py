@@ -668,3 +668,33 @@ def test_a_replay_applies_only_where_the_parameter_has_the_agreed_shape_and_dtyp
     else:
         assert not applied and tensor.init is before and id(tensor) not in ledger.writes
     assert np.array_equal(after, expected.get_state()[1])
+
+
+def test_a_load_runs_on_its_own_build_session(lacking_checkpoint, monkeypatch):
+    """While a load runs, the lane's build session is the load's own
+    (`Load.build`), started from the fields of the session it was entered
+    from; after it, that session is current again with its fields as they
+    were, and the load's draws went to the load's ledger only."""
+    from ms_loadpatch.glue import transformers as tf_glue
+    from ms_loadpatch.strategy.building import lazy_writes
+    from ms_loadpatch.strategy.lane import lane
+
+    seen = {}
+    fill_missing = tf_glue.TransformersLoad.fill_missing
+
+    def recording(load, model):
+        seen.update(own=lane.build is load.build, fast_assign=load.build.fast_assign, ledger=load.build.ledger)
+        return fill_missing(load, model)
+
+    monkeypatch.setattr(tf_glue.TransformersLoad, "fill_missing", recording)
+    outer_ledger = draws.Ledger()
+    with draws.accounting(outer_ledger), lazy_writes.assigning(True, frozenset({1})):
+        outer = lane.build
+        mt.Qwen2ForCausalLM.from_pretrained(lacking_checkpoint)
+        assert lane.build is outer and outer.ledger is outer_ledger and outer.fast_assign is True
+        assert outer.foreign == frozenset({1})
+    assert seen["own"] and seen["fast_assign"] is True  # inherited from the session it was entered from
+    assert seen["ledger"] is not None and seen["ledger"] is not outer_ledger  # the load's own, giving back
+    assert outer_ledger.draws == 0 and not outer_ledger.seeds
+    assert last_report().draws_taken > 0
+    assert lane.build.ledger is None and lane.build.fast_assign is None

@@ -1,9 +1,9 @@
-"""One thread's build session: what the mindspore-side replacements of a
-build read while it runs (the draw patches, the lazy assign_value), kept on
-one object reached through the lane (strategy/lane.py). A load's build, a
-build-then-fill call and the probes' builds each set the fields they need
-for their block and put back what was there (a nested build of the same
-thread, such as a pipeline's component, sees the outer one's)."""
+"""A build session: what the mindspore-side replacements of a build read
+while it runs (the draw patches, the lazy assign_value), kept on one object
+reached through the lane (strategy/lane.py). An accelerated load owns one
+(`Load.build`, current while the load runs); builds outside a load (the
+probes, from_config, a call that builds then fills) use their thread's.
+Each block sets the fields it needs and puts back what was there."""
 
 from __future__ import annotations
 
@@ -24,6 +24,15 @@ class BuildSession:
         self.captured = None  # ... and the seed it took
         self.fast_assign = None  # lazy_writes: None: assign_value left to mindspore; True: copies taken
         self.foreign = frozenset()  # ids of parameters this build did not make (left to mindspore)
+
+    @classmethod
+    def inheriting(cls, outer: BuildSession | None) -> BuildSession:
+        """A session starting from `outer`'s fields (a load started inside a build sees what it saw before)."""
+        made = cls()
+        if outer is not None:
+            for name in cls.__slots__:
+                setattr(made, name, getattr(outer, name))
+        return made
 
 
 def session() -> BuildSession:
