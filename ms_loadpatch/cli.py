@@ -150,10 +150,16 @@ def _print_multi_node(multi_node: dict | None) -> None:
     ranks = multi_node["job_ranks"]
     job = f"in a job of {ranks} ranks (node {multi_node['node']!r})" if ranks else "not in a multi-rank job"
     print(f"multi-node reading ({multi_node['env_var']}): {multi_node['mode']}, {job}")
-    probe = multi_node["collective_probe"]
-    if probe is not None:
-        largest = f"messages up to {probe['largest_bytes'] >> 20} MB at {probe['bytes_per_s'] / 1e6:.0f} MB/s"
-        print(f"  the job's collective: {largest}" + (f" ({probe['problem']})" if probe["problem"] else ""))
+    store = multi_node["store"]
+    if store is not None:
+        serving = ", served by this process" if store["serves"] else ""
+        print(
+            f"  the job's store at {store['address']}{serving}" + (f": {store['problem']}" if store["problem"] else "")
+        )
+    for channel in multi_node["leader_channels"]:
+        leaders = ", ".join(map(str, channel["leaders"]))
+        found = channel["problem"] or f"{channel['bytes_per_s'] / 1e6:.0f} MB/s to each leader"
+        print(f"  the leaders' channel (ranks {leaders}): {found}")
 
 
 def _print_lazy_import(lazy: dict) -> None:

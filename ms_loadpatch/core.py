@@ -326,12 +326,13 @@ def accelerated_load():
 
 
 def _multi_node_status() -> dict | None:
-    """MS_LOADPATCH_COOPERATIVE and the job's collective probe (strategy/job.py), once mindspore is imported."""
+    """MS_LOADPATCH_COOPERATIVE, the job's store and the leaders' channels (strategy/cooperative.py), once
+    mindspore is imported."""
     if "mindspore" not in sys.modules:
         return None
-    from .strategy import job
+    from .strategy import cooperative
 
-    return job.status()
+    return cooperative.status()
 
 
 def status() -> dict:

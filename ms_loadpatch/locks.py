@@ -33,6 +33,8 @@ LOCK_ORDER = (
     ("eager_import_scan", "_eager_bound_lock"),
     ("fingerprints", "_checks._lock"),
     ("strategy.reports", "_handler_lock"),
-    # the job's collective probe, under the cooperative schedule's lock
-    ("strategy.job", "_probes._lock"),
+    # the job's store and the leaders' channels, made once per process under the cooperative schedule's lock
+    ("strategy.meeting", "_stores._lock"),
+    ("strategy.leaders", "_channels._lock"),
+    ("strategy.leaders", "_packing._lock"),
 )

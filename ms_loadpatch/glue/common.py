@@ -12,7 +12,6 @@ import mindspore as ms
 
 from .. import core, fingerprints
 from ..calls import argument
-from ..strategy import cooperative
 from ..strategy.assign import cast_parameters
 from ..strategy.building import fast_construction
 from ..strategy.building.gc_pause import collection_paused
@@ -54,7 +53,6 @@ def from_pretrained(wrapped, instance, args, kwargs, fallback_reason, accelerate
             logger.debug(
                 "ms_loadpatch: %s.from_pretrained unpatched: %s", getattr(instance, "__name__", instance), reason
             )
-            cooperative.take_part_without_loading()  # in a multi-node job, the other ranks learn it
             with CONSTRUCTION_LOCK:
                 return wrapped(*args, **kwargs)
         return accelerated(wrapped, instance, args, kwargs)

@@ -1,26 +1,30 @@
 """A checkpoint read once per job: the nodes of a multi-node job split the
-reading, and each chunk one node read reaches every rank over the job's
-collective (strategy/job.py), so the shared storage serves each byte once.
+reading, one rank per node (its leader) reads, the leaders hand each other
+the bytes over a channel of their own, and each node's other ranks (its
+followers) take them from memory the node shares.
 
-The plan (strategy/shares.py) is computed alike on every rank from the
-headers: each file's data section in chunks of the probed message size,
-handed to the nodes in turn so that each reads about 1/N of the bytes. On
-each node its lowest rank reads; every other rank, on its node or another,
-receives. Each chunk is
-one Broadcast from its reader, whose last word says whether the reader goes
-on (it read the chunk, its load did not end); every STATES_EVERY chunks,
-and at the end, one small AllReduce gathers every rank's state. All ranks
-stop at the same chunk, so none waits for bytes that will never come, and
-none returns while another still waits on it.
+1. The ranks meet out of band (strategy/meeting.py), keyed by the files:
+   every rank of the job in the same load within the wait, or each reads
+   alone. A job the launcher puts on one node never meets at all.
+2. Every rank concludes the same from the same statements (job.conclude);
+   the leaders then probe their channel once per process
+   (strategy/leaders.py) and, under `auto`, time the storage with all of
+   them reading (job.choose). Each leader tells its followers the verdict.
+3. The plan (shares.plan_rounds): rounds of one chunk per node. Each round
+   is one AllReduce among the leaders carrying every leader's chunk and
+   state (going on, read failed, abandoned), so all leaders stop at the
+   same round; the leader then writes the round to the node's staging
+   (strategy/node_staging.py), which its followers copy from.
 
-Staging per rank is the message being sent or received (two chunks at
-most); the files' buffers are the read's own, at most AHEAD_FILES not yet
-taken by the load.
+Files arrive in order into the buffers the load takes (`take`, as the
+read-ahead's), at most AHEAD_FILES not yet taken.
 """
 
 from __future__ import annotations
 
 import contextlib
+import hashlib
+import json
 import os
 import threading
 import time
@@ -28,13 +32,13 @@ import time
 import numpy as np
 
 from ..activation import env_int
-from . import job, page_cache
+from . import job, leaders, meeting, node_staging, page_cache
 from .building.lazy import CONSTRUCTION_LOCK
 from .prefetch import FileRead
 from .ranks import node_share
 from .reader import arrays_in
 from .safetensors_header import CheckpointError, checkpoint_os_error
-from .shares import Chunk, first_read_mb_s, no_read_ahead, plan_chunks, read_layouts
+from .shares import Chunk, first_read_mb_s, no_read_ahead, plan_rounds, read_layouts
 from .threaded_read import (
     COLD_READ_THREADS,
     COLD_READ_THREADS_ENV_VAR,
@@ -46,80 +50,156 @@ from .threaded_read import (
 )
 
 AHEAD_FILES = 2  # files received and not yet taken by the load
-AHEAD_CHUNKS = 4  # chunks a reading rank reads before they are sent
-# Every rank's state is gathered every this many chunks (a receiving rank
-# that abandons the load is heard there); a sender's comes with each chunk.
-STATES_EVERY = 8
+AHEAD_ROUNDS = 4  # rounds a leader reads its chunk for before they are exchanged
 _SPLIT_FROM = 1 << 20
-# each rank's state before a chunk
+# each leader's state in a round
 _GOING_ON, _READ_FAILED, _ABANDONED = 0, 1, 2
-# one cooperative schedule at a time per process: collectives pair by order
+# one cooperative schedule at a time per process: a meeting's count and the leaders' rounds pair by order
 _SESSION = threading.Lock()
 _loads_reading_with_job: set[int] = set()  # threads whose load reads with the job (until it ends)
 
 
 def _nested() -> bool:
-    """A load inside one that reads with the job, or inside a build: every
-    rank nests alike, so none enters a collective for it; and the session
-    lock comes before CONSTRUCTION_LOCK (locks.LOCK_ORDER), never under it."""
+    """A load inside one that reads with the job, or inside a build: it reads alone without meeting anyone;
+    and the session lock comes before CONSTRUCTION_LOCK (locks.LOCK_ORDER), never under it."""
     return threading.get_ident() in _loads_reading_with_job or CONSTRUCTION_LOCK._is_owned()
 
 
-def take_part_without_loading(state: int = job.NOT_ACCELERATED) -> None:
-    """Enter the load's agreement saying this rank will not cooperate (its
-    load falls back), so the job's other ranks do not wait for it."""
-    if job.job_size() is None or _nested():
-        return
-    with _SESSION, contextlib.suppress(Exception):
-        job.agree(job.Collectives(), job.Statement(state))
-
-
-def start(files, report, cleanup, failed) -> CooperativeRead | None:
-    """In a multi-node job (job.job_size()): agree with every rank on `files`
-    and, where the job cooperates, start reading them together, stopped by
-    `cleanup` (`failed()`: whether the load raised); None where this rank
-    reads alone (the report says why)."""
-    if job.job_size() is None:
+def start(files, report, cleanup, failed):
+    """In a job of several nodes (job.job_size(), job.one_node()): meet every rank about `files` and, where
+    they agree, start reading them together, stopped by `cleanup` (`failed()`: whether the load raised);
+    None where this rank reads alone (the report says why)."""
+    size = job.job_size()
+    if size is None or not files:
         return None
     if _nested():
         report.cooperative = "alone: nested in a load that reads with the job or builds"
         return None
+    one_node = job.one_node(size)
+    if one_node is not None:
+        report.cooperative = f"alone: {one_node}"
+        return None
     _SESSION.acquire()
     try:
-        collectives = job.Collectives()
-        share = node_share()
-        report.local_ranks, report.rank = share.local_ranks, collectives.rank
-        layouts, statement = None, job.Statement(job.NOTHING, probed=job.probed())
-        if files:
-            try:
-                layouts, digest = read_layouts(files)
-            except Exception:  # noqa: BLE001 - this rank's own read raises the error naming the file
-                statement.state = job.UNREADABLE
-            else:
-                cached = layouts[0].cached is not None and not page_cache.is_cold(layouts[0].cached)
-                statement = job.Statement(job.READY, digest, cached, job.probed())
-        try:
-            agreement = job.settle(collectives, job.agree(collectives, statement), lambda: first_read_mb_s(layouts[0]))
-        except Exception as exc:  # noqa: BLE001 - the collective failed: read alone, as without a job
-            report.cooperative = f"alone: the agreement over the job's collective failed ({_first_line(exc)})"
-            _SESSION.release()
-            return None
-        if not agreement.cooperate:
-            report.cooperative = f"alone: {agreement.reason}"
-            _SESSION.release()
-            return None
-        # a chunk and its sender's state in one message no larger than the probe passed
-        chunk = min(job.chunk_bytes(), job.collective_probe(collectives, agreement.readers).largest) - 64
-        read = CooperativeRead(layouts, plan_chunks(layouts, agreement.nodes, chunk), agreement, collectives, report)
-        report.cooperative = f"with the job: {agreement.reason}"
-        report.staging_bytes = 2 * (chunk + 64)
+        read = _meet(files, report, size)
     except BaseException:
         _SESSION.release()
         raise
+    if read is None:
+        _SESSION.release()
+        return None
     cleanup.callback(read.exit, failed)
     _loads_reading_with_job.add(threading.get_ident())
     read.start()  # the session lock is released when its schedule ends
     return read
+
+
+def _meet(files, report, size):
+    rank = job.job_rank()
+    report.local_ranks, report.rank = node_share().local_ranks, rank
+    try:
+        layouts, digest = read_layouts(files)
+    except Exception:  # noqa: BLE001 - this rank's own read raises the error naming the file
+        report.cooperative = "alone: its checkpoint's headers could not be read"
+        return None
+    wait = job.wait_seconds()
+    store = meeting.store(wait)
+    if store.client is None:
+        report.cooperative = f"alone: {store.problem}"
+        return None
+    cached = layouts[0].cached is not None and not page_cache.is_cold(layouts[0].cached)
+    settings = hashlib.sha256(json.dumps(job.settings()).encode()).hexdigest()[:16]
+    key = f"{digest}/{settings}"
+    try:
+        met = meeting.meet(store.client, key, job.statement(cached), rank, size, wait)
+    except Exception as exc:  # noqa: BLE001 - the store failed: read alone, as without a job
+        meeting.give_up(store, exc)
+        report.cooperative = f"alone: the meeting in the job's store failed ({_first_line(exc)})"
+        return None
+    if isinstance(met, str):
+        report.cooperative = f"alone: {met}"
+        return None
+    statements, held = met
+    agreement = job.conclude(statements)
+    if not agreement.cooperate:
+        report.cooperative = f"alone: {agreement.reason}"
+        return None
+    node = agreement.node_of_rank[rank]
+    chunk = job.chunk_bytes(agreement.nodes)
+    rounds = plan_rounds(layouts, agreement.nodes, chunk)
+    path = node_staging.staging_path(f"{store.address}/{key}/{held}", node)
+    slot_bytes = agreement.nodes * chunk
+    followers = agreement.followers(node)
+    if rank != agreement.leaders[node]:
+        reader = node_staging.StagingReader.open(
+            path, followers.index(rank), agreement.pids[agreement.leaders[node]], slot_bytes, wait
+        )
+        if reader is None:
+            report.cooperative = f"alone: the node's leader (rank {agreement.leaders[node]}) shared nothing in {wait} s"
+            return None
+        together, reason = reader.verdict()
+        if not together:
+            reader.leave()
+            report.cooperative = f"alone: {reason}"
+            return None
+        report.cooperative = f"with the job: {reason}, served by the node's leader (rank {agreement.leaders[node]})"
+        report.staging_bytes = node_staging.SLOTS * slot_bytes
+        return FollowerRead(layouts, rounds, reader, report)
+    staging = None
+    if followers:
+        try:
+            staging = node_staging.StagingWriter(path, [agreement.pids[f] for f in followers], slot_bytes)
+        except OSError:  # no room in the node's memory: the followers find nothing and read alone
+            staging = None
+    try:
+        agreement = _choose(agreement, rank, layouts, chunk, store, f"{key}/{held}")
+    except BaseException as exc:
+        if staging is not None:
+            staging.verdict(False, f"the node's leader failed to agree with the others ({_first_line(exc)})")
+            staging.close()
+            staging = None
+        if not isinstance(exc, Exception):
+            raise
+        agreement.cooperate = False  # the channel could not be made: every leader meets the same error
+        agreement.reason = f"the leaders' channel could not be made ({_first_line(exc)})"
+    if staging is not None:
+        staging.verdict(agreement.cooperate, agreement.reason)
+    if not agreement.cooperate:
+        if staging is not None:
+            staging.close()
+        report.cooperative = f"alone: {agreement.reason}"
+        return None
+    report.cooperative = f"with the job: {agreement.reason}"
+    report.staging_bytes = (2 * agreement.nodes * chunk * 4) // 3 + (
+        node_staging.SLOTS * slot_bytes if staging is not None else 0
+    )
+    return LeaderRead(layouts, rounds, agreement, rank, report, staging)
+
+
+def _choose(agreement, rank, layouts, chunk, store, meeting_key):
+    """The leaders' choice, the same on each. `auto`: alone where every node has the checkpoint cached;
+    else each leader times its first read right after they met (all reading at once) and says it in the
+    store with how fast its host packs a round; alone where even a channel that fast would not pay; else
+    the channel (made and probed once per process) decides. `on`: the channel."""
+    auto = job.mode() == job.AUTO
+    if auto and agreement.cached:
+        return job.choose(agreement, [], 0.0, None)  # alone: nothing to measure, no channel made
+    rates = []
+    if auto:
+        node = agreement.node_of_rank[rank]
+        said = {"storage": first_read_mb_s(layouts[0]), "packing": leaders.packing_mb_s(chunk)}
+        met = meeting.meet(store.client, f"{meeting_key}/leaders", said, node, agreement.nodes, job.wait_seconds())
+        if isinstance(met, str):
+            agreement.cooperate, agreement.reason = False, f"the leaders did not all time their storage: {met}"
+            return agreement
+        rates = [leader["storage"] for leader in met[0]]
+        bound = min(leader["packing"] for leader in met[0])
+        job.choose(agreement, rates, bound, None, bound=True)
+        if not agreement.cooperate:
+            return agreement
+        agreement.reason = f"{agreement.nodes} nodes"
+    channel = leaders.channel(agreement.leaders, rank, chunk)
+    return job.choose(agreement, rates, channel.bytes_per_s / 1e6, channel.problem)
 
 
 def _abandoned_by(ranks) -> RuntimeError:
@@ -135,52 +215,43 @@ def _first_line(exc) -> str:
 
 
 class _File:
-    def __init__(self):
+    def __init__(self, chunks: int):
         self.buffer = None
         self.done = threading.Event()
         self.started = self.ended = 0.0
         self.taken = False
+        self.missing = chunks  # chunks not arrived yet
 
 
-class CooperativeRead:
-    """The files of one load read with the job's other ranks; `take(path)`
-    as Prefetcher's. exit(...) (the load's cleanup) lets the schedule run to
-    its end without keeping what arrives after a load that ended well, or
-    tells every rank at the next chunk that this one abandoned it."""
+class _Arrivals:
+    """Files arriving into buffers the load takes (`take(path)`, as Prefetcher's), round by round; exit(...)
+    (the load's cleanup) lets the schedule run to its end without keeping what arrives after a load that
+    ended well."""
 
     progress = None
+    thread_name = ""
 
-    def __init__(self, layouts, chunks, agreement, collectives, report):
-        self.layouts, self.chunks, self.agreement = layouts, chunks, agreement
-        self.collectives = collectives
-        self.report = report
-        self.rank = collectives.rank
-        self.node = agreement.node_of_rank[self.rank]
-        self.reads = agreement.readers[self.node] == self.rank
+    def __init__(self, layouts, rounds, report):
+        self.layouts, self.rounds, self.report = layouts, rounds, report
         self._index = {os.path.normpath(layout.path): i for i, layout in enumerate(layouts)}
-        self._files = [_File() for _ in layouts]
+        counts = [0] * len(layouts)
+        for chunks in rounds:
+            for chunk in chunks:
+                counts[chunk.file] += 1
+        self._files = [_File(count) for count in counts]
+        self._keep = [False] * len(layouts)
         self._cond = threading.Condition()
         self._held = 0  # files received and not taken
         self._wanted = -1  # the last file the load waits for
         self._draining = self._abandoned = False
         self._error: BaseException | None = None
-        self._read = {}  # chunk index -> None (read) or the exception
-        self._ahead = threading.Semaphore(AHEAD_CHUNKS)
         self._stop = threading.Event()
-        self._threads = []
-        self.sent = self.received = self.read_bytes = 0
+        self._threads: list[threading.Thread] = []
+        self.received = self.read_bytes = 0
         self._load_thread = threading.get_ident()
-        self._root = None  # the rank sending the chunk being exchanged (None: all ranks' states)
-        # the message sent or received: a chunk and the sender's state
-        self._message = np.empty(max((c.end - c.begin + 3) // 4 for c in chunks) + 1 if chunks else 1, np.int32)
-
-    # -- the load's side
 
     def start(self) -> None:
-        transfer = threading.Thread(target=self._transfer, name="ms_loadpatch-cooperative", daemon=True)
-        self._threads.append(transfer)
-        if self.reads:
-            self._threads.append(threading.Thread(target=self._read_owned, name="ms_loadpatch-read-own", daemon=True))
+        self._threads.insert(0, threading.Thread(target=self._run, name=self.thread_name, daemon=True))
         for thread in self._threads:
             thread.start()
 
@@ -213,8 +284,8 @@ class CooperativeRead:
         return arrays, layout.header.metadata, {}
 
     def exit(self, failed) -> None:
-        """The load ended (`failed()`: with an error): what remains of the schedule runs out without keeping data,
-        or, after an error, every rank is told at the next chunk; the threads joined."""
+        """The load ended (`failed()`: with an error): what remains of the schedule runs out without keeping
+        data, or, after an error, the others are told; the threads joined."""
         with self._cond:
             if failed():
                 self._abandoned = True
@@ -228,7 +299,15 @@ class CooperativeRead:
             join_or_leave(self._threads[1:], self._stop, "the cooperative read")
         self.report.bytes_from_storage, self.report.bytes_received = self.read_bytes, self.received
 
-    # -- the schedule
+    def _run(self) -> None:
+        try:
+            self._schedule()
+        finally:
+            self._stop.set()
+            _SESSION.release()
+
+    def _schedule(self) -> None:
+        raise NotImplementedError
 
     def _buffer(self, index: int):
         with self._cond:
@@ -238,122 +317,140 @@ class CooperativeRead:
                 file.buffer = data_buffer(layout.path, layout.data_len)
             return file.buffer
 
-    def _wait_for_slot(self, index: int) -> bool:
-        """Until `index` may be received (AHEAD_FILES held at most, unless the load waits for it);
-        False when the load has ended and nothing received is kept."""
-        with self._cond:
-            while self._held >= AHEAD_FILES and self._wanted < index and not self._draining:
-                self._cond.wait()
-            if self._draining:
-                return False
-            self._held += 1
-            return True
+    def _begin_round(self, chunks) -> None:
+        """Each file the round starts: a slot among the files held (AHEAD_FILES, unless the load waits for it),
+        or not kept once the load has ended."""
+        for chunk in chunks:
+            if chunk.begin == 0:
+                with self._cond:
+                    while self._held >= AHEAD_FILES and self._wanted < chunk.file and not self._draining:
+                        self._cond.wait()
+                    self._keep[chunk.file] = not self._draining
+                    self._held += self._keep[chunk.file]
+                self._files[chunk.file].started = time.perf_counter()
 
-    def _transfer(self) -> None:
-        keep = {}
-        try:
-            for index, layout in enumerate(self.layouts):
-                if layout.data_len == 0:
-                    self._files[index].buffer = np.empty(0, dtype=np.uint8)
-                    self._files[index].done.set()
-            for number, chunk in enumerate(self.chunks):
-                layout, file = self.layouts[chunk.file], self._files[chunk.file]
-                if chunk.begin == 0:
-                    keep[chunk.file] = self._wait_for_slot(chunk.file)
-                    file.started = time.perf_counter()
-                if number and number % STATES_EVERY == 0 and not self._states_agree():
-                    return
-                root = self._root = self.agreement.readers[chunk.node]
-                state = self._exchange(number, chunk, root, keep[chunk.file])
-                if root == self.rank:
-                    self._ahead.release()
-                if state != _GOING_ON:
-                    self._fail_at(state, chunk, root)
-                    return
-                if chunk.end == layout.data_len:
-                    file.ended = time.perf_counter()
-                    if not keep[chunk.file]:
-                        file.buffer = None
-                    file.done.set()
-            self._states_agree()
-        except Exception as exc:  # noqa: BLE001 - the collective failed: the load raises it
-            root = self._root
-            peers = [root] if root is not None and root != self.rank else self._others()
-            self._error = RuntimeError(
-                f"ms_loadpatch: the job's collective failed on rank {self.rank} while it exchanged the checkpoint "
-                f"with rank(s) {', '.join(map(str, peers))} ({_first_line(exc)}): a rank may have died or left "
-                "the load"
-            )
-        finally:
-            self._stop.set()
-            for _ in range(AHEAD_CHUNKS):
-                self._ahead.release()
-            _SESSION.release()
+    def _arrived(self, chunk: Chunk) -> None:
+        file = self._files[chunk.file]
+        file.missing -= 1
+        if file.missing == 0:
+            file.ended = time.perf_counter()
+            if not self._keep[chunk.file]:
+                file.buffer = None
+            file.done.set()
 
-    def _others(self) -> list[int]:
-        return [rank for rank in range(self.collectives.size) if rank != self.rank]
+    def _empty_files_done(self) -> None:
+        for index, layout in enumerate(self.layouts):
+            if layout.data_len == 0:
+                self._files[index].buffer = np.empty(0, dtype=np.uint8)
+                self._files[index].done.set()
 
     def _mine(self) -> int:
         with self._cond:
             return _ABANDONED if self._abandoned else _GOING_ON
 
-    def _states_agree(self) -> bool:
-        """Every rank's state (one AllReduce): what a receiving rank says only here; False, the error set, where
-        one abandoned the load."""
-        self._root = None
-        states = self.collectives.states(self._mine())
-        gone = [rank for rank, state in enumerate(states) if state]
-        if not gone:
-            return True
-        if gone != [self.rank]:
-            self._error = _abandoned_by([rank for rank in gone if rank != self.rank])
-        return False
 
-    def _exchange(self, number: int, chunk: Chunk, root: int, keep: bool) -> int:
-        """`chunk` sent by `root` to every rank, with root's state in the message's last word; that state."""
-        length = chunk.end - chunk.begin
-        words = -(-length // 4)
-        message = self._message[: words + 1]
-        if root == self.rank:
-            state = self._mine()
-            if state == _GOING_ON:
-                with self._cond:
-                    while number not in self._read:  # being read by this rank's reader
-                        self._cond.wait()
-                    if self._read.pop(number) is not None:
-                        state = _READ_FAILED
-            if state == _GOING_ON:
-                message.view(np.uint8)[:length] = self._buffer(chunk.file)[chunk.begin : chunk.end]
-            message[words] = state
-            self.collectives.broadcast(message, root)
-            self.sent += length
-            return state
-        got = self.collectives.broadcast(message, root)
-        state = int(got[words])
-        if state == _GOING_ON:
-            self.received += length
-            if keep:
-                self._buffer(chunk.file)[chunk.begin : chunk.end] = got.view(np.uint8)[:length]
-        return state
+class LeaderRead(_Arrivals):
+    """A node leader's side: its chunks read from storage, the rounds exchanged with the other leaders, each
+    round then staged for the node's followers."""
 
-    def _fail_at(self, state: int, chunk: Chunk, root: int) -> None:
-        if root == self.rank:
+    thread_name = "ms_loadpatch-cooperative"
+
+    def __init__(self, layouts, rounds, agreement, rank, report, staging):
+        super().__init__(layouts, rounds, report)
+        self.agreement, self.rank, self.staging = agreement, rank, staging
+        self.node = agreement.node_of_rank[rank]
+        self.channel = leaders.channel(agreement.leaders, rank, 0)
+        self._chunk_max = max((c.end - c.begin for chunks in rounds for c in chunks), default=1)
+        self._read: dict[int, BaseException | None] = {}  # round -> None (its chunk read) or the exception
+        self._ahead = threading.Semaphore(AHEAD_ROUNDS)
+        self._threads.append(threading.Thread(target=self._read_owned, name="ms_loadpatch-read-own", daemon=True))
+
+    def _schedule(self) -> None:
+        well = False
+        try:
+            self._empty_files_done()
+            for number, chunks in enumerate(self.rounds):
+                self._begin_round(chunks)
+                states = self._exchange(number, chunks)
+                if any(c.node == self.node for c in chunks):
+                    self._ahead.release()  # the reader may read one round further
+                failed = [(rank, state) for rank, state in zip(self.agreement.leaders, states) if state != _GOING_ON]
+                if failed:
+                    self._fail_at(failed, chunks)
+                    return
+                if self.staging is not None:
+                    self._stage(number, chunks)
+                for chunk in chunks:
+                    self._arrived(chunk)
+            well = True
+        except Exception as exc:  # noqa: BLE001 - the channel failed: the load raises it
+            others = [rank for rank in self.agreement.leaders if rank != self.rank]
+            self._error = RuntimeError(
+                f"ms_loadpatch: the leaders' channel failed on rank {self.rank} while it exchanged the checkpoint "
+                f"with rank(s) {', '.join(map(str, others))} ({_first_line(exc)}): a rank may have died or left "
+                "the load"
+            )
+        finally:
+            for _ in range(AHEAD_ROUNDS):
+                self._ahead.release()
+            if self.staging is not None:
+                self.staging.end(well)
+                self.staging.close()
+
+    def _stage(self, number: int, chunks) -> None:
+        """The round for the node's followers; staging that fails (no room in the node's memory) is given up,
+        the followers read from storage themselves and this load goes on."""
+        try:
+            self.staging.publish(number, [self._buffer(c.file)[c.begin : c.end] for c in chunks])
+        except OSError:
+            self.staging.end(False)
+            self.staging.close()
+            self.staging = None
+
+    def _exchange(self, number: int, chunks) -> list[int]:
+        """One round: this node's chunk (read by this rank's reader) and state out, every leader's in."""
+        mine = next((c for c in chunks if c.node == self.node), None)
+        state = self._mine()
+        if mine is not None and state == _GOING_ON:
+            with self._cond:
+                while number not in self._read:  # being read by this rank's reader
+                    self._cond.wait()
+                if self._read.pop(number) is not None:
+                    state = _READ_FAILED
+        data = self._buffer(mine.file)[mine.begin : mine.end] if mine is not None and state == _GOING_ON else None
+        states, rows = self.channel.exchange(data, state, self._chunk_max)
+        if all(s == _GOING_ON for s in states):
+            for chunk in chunks:
+                if chunk.node != self.node:
+                    length = chunk.end - chunk.begin
+                    leaders.unpack(
+                        rows[chunk.node, : leaders.words_for(length)], self._buffer(chunk.file)[chunk.begin : chunk.end]
+                    )
+                    self.received += length
+        return states
+
+    def _fail_at(self, failed, chunks) -> None:
+        others = [(rank, state) for rank, state in failed if rank != self.rank]
+        if not others:
             return  # this rank's own error: the reader's, or the load's that abandoned
+        rank, state = others[0]
         if state == _READ_FAILED:
+            chunk = next(c for c in chunks if self.agreement.leaders[c.node] == rank)
             self._error = CheckpointError(
                 self.layouts[chunk.file].path,
-                f"rank {root} could not read bytes {chunk.begin}-{chunk.end} of its data for the job "
+                f"rank {rank} could not read bytes {chunk.begin}-{chunk.end} of its data for the job "
                 "(that rank's error says why)",
             )
         else:
-            self._error = _abandoned_by([root])
+            self._error = _abandoned_by([r for r, _ in others])
 
     def _read_owned(self) -> None:
-        """This node's chunks from storage, in the order they are sent, at most AHEAD_CHUNKS ahead."""
+        """This node's chunks from storage, in the order they are exchanged, at most AHEAD_ROUNDS ahead."""
         fds = {}
         try:
-            for number, chunk in enumerate(self.chunks):
-                if chunk.node != self.node:
+            for number, chunks in enumerate(self.rounds):
+                chunk = next((c for c in chunks if c.node == self.node), None)
+                if chunk is None:
                     continue
                 self._ahead.acquire()
                 if self._stop.is_set():
@@ -369,42 +466,117 @@ class CooperativeRead:
                 if outcome is not None:
                     return
         finally:
-            for fd in fds.values():
-                if page_cache.policy() == page_cache.DROP and hasattr(os, "posix_fadvise"):
-                    with contextlib.suppress(OSError):
-                        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-                os.close(fd)
+            _close_all(fds)
 
     def _read_chunk(self, chunk: Chunk, fds: dict) -> None:
         layout = self.layouts[chunk.file]
-        fd = fds.get(chunk.file)
-        if fd is None:
-            try:
-                fd = fds[chunk.file] = os.open(layout.path, os.O_RDONLY)
-                size = os.fstat(fd).st_size
-            except OSError as exc:
-                raise checkpoint_os_error(layout.path, exc) from exc
-            no_read_ahead(fd)
-            if size != layout.size:
-                raise CheckpointError(layout.path, "the file changed since the job agreed on it")
-        view = self._buffer(chunk.file)[chunk.begin : chunk.end]
-        threads = (
-            (env_int(COLD_READ_THREADS_ENV_VAR) or COLD_READ_THREADS) if page_cache.is_cold(layout.cached) else None
-        )
-        plan = ReadPlan(threads or read_threads(), _SPLIT_FROM, cold=threads is not None)
+        self.read_bytes += _read_span(layout, chunk.begin, self._buffer(chunk.file), fds, self._stop, chunk.end)
+
+
+class FollowerRead(_Arrivals):
+    """A follower's side: each round copied from the node's staging; where the leader stops serving it, what
+    it still lacks read from storage."""
+
+    thread_name = "ms_loadpatch-follower"
+
+    def __init__(self, layouts, rounds, reader, report):
+        super().__init__(layouts, rounds, report)
+        self.reader = reader
+
+    def _schedule(self) -> None:
         try:
-            got = read_into(
-                fd, view, layout.header.data_start + chunk.begin, plan, self._stop, f"the read of {layout.path}"
-            )
-        except CheckpointError:
-            raise
+            self._empty_files_done()
+            for number, chunks in enumerate(self.rounds):
+                if self._draining:
+                    return  # the load ended: the leader no longer waits for this rank
+                self._begin_round(chunks)
+                problem = self.reader.wait_round(number, lambda: self._draining)
+                if problem is None:
+                    offset = 0
+                    for chunk in chunks:
+                        length = chunk.end - chunk.begin
+                        if self.reader.read(number, offset, self._buffer(chunk.file)[chunk.begin : chunk.end]) < length:
+                            problem = "the node's staging was cut short"
+                        offset += length
+                    if problem is None and not self.reader.consumed(number):
+                        problem = "the node's leader went on without it (it fell behind)"
+                if problem is not None:
+                    if not self._draining:
+                        self._read_rest(problem)
+                    return
+                self.received += sum(c.end - c.begin for c in chunks)
+                for chunk in chunks:
+                    self._arrived(chunk)
+        except BaseException as exc:  # noqa: BLE001 - raised by the load
+            self._error = exc
+        finally:
+            self.reader.leave()
+
+    def _read_rest(self, why: str) -> None:
+        """Every file not yet whole, read from storage by this rank."""
+        self.report.cooperative += f"; then alone: {why}"
+        fds = {}
+        try:
+            for index, layout in enumerate(self.layouts):
+                file = self._files[index]
+                if file.done.is_set():
+                    continue
+                if not file.started:
+                    self._begin_round([Chunk(index, 0, layout.data_len, -1)])
+                self.read_bytes += _read_span(layout, 0, self._buffer(index), fds, self._stop)
+                file.missing = 1
+                self._arrived(Chunk(index, 0, layout.data_len, -1))
+        finally:
+            _close_all(fds)
+
+
+def _read_span(layout, begin: int, buffer, fds: dict, stop, end: int | None = None) -> int:
+    """Bytes begin..end of `layout`'s data section (end: the chunk's, else the section's) from storage into
+    `buffer` at the same place; the count read."""
+    fd = fds.get(layout.path)
+    if fd is None:
+        try:
+            fd = fds[layout.path] = os.open(layout.path, os.O_RDONLY)
+            size = os.fstat(fd).st_size
         except OSError as exc:
             raise checkpoint_os_error(layout.path, exc) from exc
-        if got != len(view):
-            raise CheckpointError(
-                layout.path, f"read {got} of {len(view)} bytes at {chunk.begin}: the file changed or is truncated"
-            )
-        self.read_bytes += got
+        no_read_ahead(fd)
+        if size != layout.size:
+            raise CheckpointError(layout.path, "the file changed since the job agreed on it")
+    view = buffer[begin : layout.data_len if end is None else end]
+    threads = (env_int(COLD_READ_THREADS_ENV_VAR) or COLD_READ_THREADS) if page_cache.is_cold(layout.cached) else None
+    plan = ReadPlan(threads or read_threads(), _SPLIT_FROM, cold=threads is not None)
+    try:
+        got = read_into(fd, view, layout.header.data_start + begin, plan, stop, f"the read of {layout.path}")
+    except CheckpointError:
+        raise
+    except OSError as exc:
+        raise checkpoint_os_error(layout.path, exc) from exc
+    if got != len(view):
+        raise CheckpointError(
+            layout.path, f"read {got} of {len(view)} bytes at {begin}: the file changed or is truncated"
+        )
+    return got
 
 
-__all__ = ["CooperativeRead", "start", "take_part_without_loading"]
+def _close_all(fds: dict) -> None:
+    for fd in fds.values():
+        if page_cache.policy() == page_cache.DROP and hasattr(os, "posix_fadvise"):
+            with contextlib.suppress(OSError):
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        os.close(fd)
+
+
+def status() -> dict:
+    """MS_LOADPATCH_COOPERATIVE, the job's store and the leaders' channels, where reached."""
+    return {
+        "env_var": job.ENV_VAR,
+        "mode": job.mode(),
+        "job_ranks": job.job_size(),
+        "node": job.node_identity(),
+        "store": meeting.status(),
+        "leader_channels": leaders.status(),
+    }
+
+
+__all__ = ["FollowerRead", "LeaderRead", "start", "status"]

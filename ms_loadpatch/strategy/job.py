@@ -1,99 +1,54 @@
-"""The distributed job a load runs in, seen through mindspore's collectives:
-whether the job's communication is initialised (the plugin never calls
-`init()`), which node each rank runs on, what every rank is about to load,
-and what the job's collective can carry.
+"""The distributed job a load runs in: whether the job's communication is
+initialised (the plugin never calls `init()`), whether the launcher says it
+runs on one node, which node each rank runs on, what the ranks that met
+(strategy/meeting.py) conclude, and `MS_LOADPATCH_COOPERATIVE`'s choice.
 
-Every rank of a job that takes part enters the same collectives in the same
-order: one AllGather per load (`agree`), and once per process, when a load
-first could cooperate, the collective's probe. Ranks that cannot cooperate
-(a load that falls back, a checkpoint that differs) still enter the
-AllGather and say so, so nobody waits in a collective another never enters.
+Nothing here enters a collective on the job's groups: the ranks meet out of
+band, and only the node leaders, once they agreed, move bytes over a group
+of their own (strategy/leaders.py).
 """
 
 from __future__ import annotations
 
 import functools
-import hashlib
 import os
 import socket
 import sys
-import time
-from dataclasses import dataclass
-
-import numpy as np
+from dataclasses import dataclass, field
 
 from ..activation import env_choice, env_int
-from .probe_cache import ProbeCache
+from .ranks import node_share
 
 ENV_VAR = "MS_LOADPATCH_COOPERATIVE"
 AUTO, ON, OFF = "auto", "on", "off"
 CHOICES = (AUTO, ON, OFF)
 # Tells apart "nodes" that share one host (a test or benchmark harness)
 NODE_ENV_VAR = "MS_LOADPATCH_NODE_ID"
-# The largest message the collective is asked to carry (MB), probed first
+# The largest chunk a node leader reads for one round (MB)
 CHUNK_ENV_VAR = "MS_LOADPATCH_COOPERATIVE_CHUNK_MB"
 DEFAULT_CHUNK_MB = 4
-# auto cooperates when the collective moves bytes this much faster than a node reads them
+# Seconds a rank waits for every rank of the job to reach the same load
+WAIT_ENV_VAR = "MS_LOADPATCH_COOPERATIVE_WAIT"
+DEFAULT_WAIT_SECONDS = 10
+# A round carries one chunk per node: this bounds a round (and a staging slot) for many nodes
+ROUND_LIMIT = 16 << 20
+# auto cooperates when the model below predicts the job this much faster together than alone
 AUTO_MARGIN = 1.25
-
-# What a rank says of its load in the agreement
-READY, NOT_ACCELERATED, UNREADABLE, NOTHING = 1, 2, 3, 4
-_STATE_TEXT = {
-    NOT_ACCELERATED: "its load is not accelerated",
-    UNREADABLE: "it could not read its checkpoint's headers",
-    NOTHING: "it has no local safetensors files to share",
-}
-_PROTOCOL = 1
-_FIELDS = 16  # int32 per rank in the agreement: see Statement.values
+PROTOCOL = 2
 
 
 def mode() -> str:
     return env_choice(ENV_VAR, CHOICES)
 
 
-def chunk_bytes() -> int:
-    return (env_int(CHUNK_ENV_VAR) or DEFAULT_CHUNK_MB) << 20
+def wait_seconds() -> int:
+    return env_int(WAIT_ENV_VAR) or DEFAULT_WAIT_SECONDS
 
 
-class Collectives:
-    """mindspore's collectives over the job's world group (mccl on the CPU
-    wheel, HCCL on Ascend, NCCL on GPU builds): int32 AllGather and
-    Broadcast (what every backend carries), float32 AllReduce."""
-
-    def __init__(self):
-        from mindspore import ops
-        from mindspore.communication import GlobalComm, get_group_size, get_rank
-
-        self.group = GlobalComm.WORLD_COMM_GROUP
-        self.rank, self.size = get_rank(self.group), get_group_size(self.group)
-        self._ops = ops
-        self._gather = ops.AllGather(group=self.group)
-        self._sum = ops.AllReduce(group=self.group)
-        self._broadcasts = {}
-
-    def gather(self, values) -> np.ndarray:
-        """Every rank's `values` (int32), one row per rank."""
-        import mindspore as ms
-
-        mine = np.asarray(values, dtype=np.int32)
-        return self._gather(ms.Tensor(mine)).asnumpy().reshape(self.size, mine.size)
-
-    def states(self, mine: int) -> np.ndarray:
-        """Every rank's small non-negative `mine`, in rank order (an AllReduce of one slot each)."""
-        import mindspore as ms
-
-        slots = np.zeros(self.size, dtype=np.float32)
-        slots[self.rank] = mine
-        return self._sum(ms.Tensor(slots)).asnumpy().astype(np.int64)
-
-    def broadcast(self, words: np.ndarray, root: int) -> np.ndarray:
-        """`words` (int32) of rank `root`, on every rank (the others pass an array of the same shape)."""
-        import mindspore as ms
-
-        op = self._broadcasts.get(root)
-        if op is None:
-            op = self._broadcasts[root] = self._ops.Broadcast(root, group=self.group)
-        return op((ms.Tensor.from_numpy(words),))[0].asnumpy()  # the array's memory, not a copy
+def chunk_bytes(nodes: int = 1) -> int:
+    """Bytes a leader reads for one round: the setting, smaller for many nodes (ROUND_LIMIT), whole pages."""
+    chunk = min((env_int(CHUNK_ENV_VAR) or DEFAULT_CHUNK_MB) << 20, ROUND_LIMIT // max(1, nodes))
+    return max(1 << 16, chunk >> 12 << 12)
 
 
 def job_size() -> int | None:
@@ -114,6 +69,23 @@ def job_size() -> int | None:
     return size if size > 1 else None
 
 
+def job_rank() -> int:
+    from mindspore.communication import get_rank
+
+    return get_rank()
+
+
+def one_node(size: int) -> str | None:
+    """Why the launcher says every rank of the job runs on this node (its
+    ranks share the page cache: nothing to meet about), else None."""
+    if NODE_ENV_VAR in os.environ:
+        return None  # "nodes" on one host: only the meeting tells them apart
+    share = node_share()
+    if share.counted and share.local_ranks >= size:
+        return f"one node ({share.source} says {share.local_ranks} of {size} ranks run here)"
+    return None
+
+
 @functools.lru_cache(maxsize=1)
 def _machine() -> str:
     try:
@@ -130,213 +102,123 @@ def node_identity() -> str:
     return os.environ.get(NODE_ENV_VAR) or _machine()
 
 
-def _words(text: str, count: int) -> list[int]:
-    return np.frombuffer(hashlib.sha256(text.encode()).digest()[: 4 * count], dtype=np.int32).tolist()
+def settings() -> list:
+    """What ranks must share to cooperate: the protocol, the chunk setting and the mode."""
+    return [PROTOCOL, env_int(CHUNK_ENV_VAR) or DEFAULT_CHUNK_MB, mode()]
 
 
-@dataclass
-class Statement:
-    """What one rank says before a load: its state, the digest of what it is
-    about to read, whether its node has the first file in its page cache,
-    its settings and whether it probed already."""
-
-    state: int
-    digest: str = ""
-    cached: bool = False
-    probed: bool = False
-
-    def values(self) -> list[int]:
-        return [
-            _PROTOCOL,
-            self.state,
-            *_words(node_identity(), 2),
-            *_words(self.digest, 8),
-            int(self.cached),
-            chunk_bytes() >> 20,
-            CHOICES.index(mode()),
-            int(self.probed),
-        ]
+def statement(cached: bool) -> dict:
+    """What this rank tells the ranks it meets: its node, its process, whether
+    its node has the first file in its page cache, its settings."""
+    return {"node": node_identity(), "pid": os.getpid(), "cached": bool(cached), "settings": settings()}
 
 
 @dataclass
 class Agreement:
-    """What every rank concluded from the same gathered statements."""
+    """What every rank concluded from the same statements, and the leaders' choice."""
 
     cooperate: bool
     reason: str
     node_of_rank: list[int]  # node index per rank, nodes numbered by their lowest rank
-    readers: list[int]  # the rank that reads for each node (its lowest)
+    leaders: list[int]  # the rank that reads for each node (its lowest)
+    pids: list[int] = field(default_factory=list)  # each rank's process
     cached: bool = False  # every rank has the first file in its node's page cache
-    storage_mb_s: int = -1  # the slowest node's first read (MB/s), where timed
+    storage_mb_s: int = -1  # the slowest leader's first read while all leaders read (MB/s), where timed
+    collective_mb_s: int = -1  # what the leaders' channel carries to each leader (MB/s), where probed
 
     @property
     def nodes(self) -> int:
-        return len(self.readers)
+        return len(self.leaders)
+
+    def followers(self, node: int) -> list[int]:
+        return [rank for rank, n in enumerate(self.node_of_rank) if n == node and rank != self.leaders[node]]
 
 
-def conclude(table: np.ndarray) -> Agreement:
-    """The agreement every rank reaches from the gathered statements (a row per rank)."""
-    node_keys = [tuple(row[2:4]) for row in table]
-    first = {}
-    for rank, key in enumerate(node_keys):
-        first.setdefault(key, rank)
-    readers = sorted(first.values())
-    node_of_rank = [readers.index(first[key]) for key in node_keys]
-    agreement = Agreement(False, "", node_of_rank, readers, cached=bool(all(row[12] for row in table)))
-    for rank, row in enumerate(table):
-        if row[0] != _PROTOCOL:
-            agreement.reason = f"rank {rank} runs another version of ms_loadpatch"
+def conclude(statements: list[dict]) -> Agreement:
+    """The agreement every rank reaches from the statements of the ranks that met (one per rank, in rank order)."""
+    first: dict[str, int] = {}
+    for rank, said in enumerate(statements):
+        first.setdefault(said["node"], rank)
+    leaders = sorted(first.values())
+    node_of_rank = [leaders.index(first[said["node"]]) for said in statements]
+    agreement = Agreement(
+        False,
+        "",
+        node_of_rank,
+        leaders,
+        pids=[int(said["pid"]) for said in statements],
+        cached=all(said["cached"] for said in statements),
+    )
+    for rank, said in enumerate(statements):
+        if said["settings"] != statements[0]["settings"]:
+            agreement.reason = f"rank {rank} runs with other {ENV_VAR} settings or version than rank 0"
             return agreement
-        if row[1] != READY:
-            agreement.reason = f"rank {rank} does not take part: {_STATE_TEXT.get(int(row[1]), 'unknown state')}"
-            return agreement
-    for rank, row in enumerate(table):
-        if not np.array_equal(row[4:12], table[0][4:12]):
-            agreement.reason = (
-                f"rank {rank} loads other files than rank 0 (names, sizes, modification times or headers differ)"
-            )
-            return agreement
-        if not np.array_equal(row[13:16], table[0][13:16]):
-            agreement.reason = f"rank {rank} runs with other {ENV_VAR} settings than rank 0"
-            return agreement
-    if len(readers) == 1:
+    if len(leaders) == 1:
         agreement.reason = "one node: its ranks share the page cache"
         return agreement
     agreement.cooperate = True
-    agreement.reason = f"{len(readers)} nodes"
+    agreement.reason = f"{len(leaders)} nodes"
     return agreement
 
 
-def agree(collectives: Collectives, statement: Statement) -> Agreement:
-    """The agreement over every rank's `statement` (one AllGather)."""
-    return conclude(collectives.gather(statement.values()))
+def predicted_ratio(nodes: int, storage_mb_s: float, collective_mb_s: float) -> float:
+    """Together over alone, for a checkpoint of S bytes: alone each node reads S at the storage's rate r (as
+    timed with every leader reading); together each leader reads S/N at r and receives S(N-1)/N at the
+    channel's rate C, overlapped: max(1/(N r), (N-1)/(N C)) / (1/r)."""
+    if storage_mb_s <= 0 or collective_mb_s <= 0:
+        return float("inf")
+    return max(1 / (nodes * storage_mb_s), (nodes - 1) / (nodes * collective_mb_s)) * storage_mb_s
 
 
-@dataclass(frozen=True)
-class CollectiveProbe:
-    """What the job's collective carried in its probe: the largest message
-    that arrived intact on every rank (0: none) and the rate of the largest."""
-
-    largest: int
-    bytes_per_s: float
-    problem: str | None = None
-
-
-_probes = ProbeCache()  # "collective" -> CollectiveProbe
-
-
-def probed() -> bool:
-    return "collective" in _probes
-
-
-def collective_probe(collectives: Collectives, readers: list[int]) -> CollectiveProbe:
-    """The collective's probe, once per process (every rank runs it at the
-    same point: the first load whose agreement allows cooperating). Messages
-    of 1 MB and the chunk size from the first and the last node's reader,
-    then the chunk size once more from the first, timed (a shape the
-    collective has sent before), each checked word for word on every rank;
-    a message larger than the largest that passed is never sent."""
-    return _probes.get("collective", lambda: _run_probe(collectives, readers))
-
-
-def _run_probe(collectives: Collectives, readers: list[int]) -> CollectiveProbe:
-    limit = chunk_bytes()
-    sizes = sorted({min(1 << 20, limit), limit})
-    roots = sorted({readers[0], readers[-1]})
-    passed, seconds, problem, broke = 0, 0.0, None, False
-    # each size from every root, then the largest once more from the first, timed: a shape sent before
-    for size, senders in [(size, roots) for size in sizes] + [(limit, roots[:1])]:
-        words = size // 4
-        ok = True
-        patterns = {
-            root: (np.arange(words, dtype=np.int64) * 2654435761 + root + size).astype(np.int32) for root in senders
-        }
-        started = time.perf_counter()  # the messages made before: the time is the collective's
-        for root, expected in patterns.items():
-            mine = expected if collectives.rank == root else np.zeros(words, dtype=np.int32)
-            try:
-                got = collectives.broadcast(mine, root)
-            except Exception as exc:  # noqa: BLE001 - the verdict: nothing larger is sent
-                problem = f"a broadcast of {size >> 20} MB failed: {str(exc).strip().splitlines()[0]}"
-                ok = broke = True
-                break
-            ok = ok and got.shape == expected.shape and np.array_equal(got, expected)
-        elapsed = time.perf_counter() - started
-        if broke:  # no more collectives; a rank still in one gets the collective's timeout and breaks too
-            return CollectiveProbe(0, 0.0, problem)
-        if not ok:
-            problem = f"a broadcast of {size >> 20} MB arrived changed"
-            break
-        passed, seconds = size, elapsed
-    table = collectives.gather([passed >> 20, int(seconds * 1e6)])
-    largest = int(table[:, 0].min()) << 20
-    slowest = float(table[:, 1].max()) / 1e6
-    rate = largest / slowest if largest and slowest > 0 else 0.0
-    if largest == 0:
-        problem = problem or "no message arrived intact on every rank"
-    return CollectiveProbe(largest, rate, problem)
-
-
-def settle(collectives: Collectives, agreement: Agreement, first_read_mb_s) -> Agreement:
-    """`agreement` with MS_LOADPATCH_COOPERATIVE's choice applied (the same
-    on every rank: each step follows from what all ranks gathered). Under
-    `auto`, every rank times its first read (`first_read_mb_s()`: MB/s, 0
-    where it came from the page cache) at the same moment, right after a
-    collective, so that storage the nodes share shows the rate each gets
-    when all read; the collective is probed where it is still a candidate."""
+def choose(
+    agreement: Agreement, storage_mb_s: list[int], collective_mb_s: float, problem: str | None, bound: bool = False
+) -> Agreement:
+    """`agreement` with MS_LOADPATCH_COOPERATIVE's choice applied, from what every leader measured alike
+    (the same on each: they shared it): each leader's first read while all read (0: from its page cache),
+    the channel's probed rate (`bound`: the most it could carry, the leaders' packing), the channel's
+    problem if its probe failed."""
     if not agreement.cooperate:
         return agreement
-    if mode() == AUTO:
-        if agreement.cached:
-            agreement.cooperate, agreement.reason = False, "the checkpoint is in every node's page cache"
-            return agreement
-        cold = [int(rate) for rate in collectives.gather([first_read_mb_s()])[:, 0] if rate > 0]
-        if not cold:
-            agreement.cooperate, agreement.reason = False, "the storage's rate could not be timed"
-            return agreement
-        agreement.storage_mb_s = min(cold)
-    probe = collective_probe(collectives, agreement.readers)
-    if probe.largest == 0:
-        agreement.cooperate, agreement.reason = False, f"the collective's probe failed: {probe.problem}"
+    if problem is not None:
+        agreement.cooperate, agreement.reason = False, f"the leaders' channel failed its probe: {problem}"
         return agreement
-    collective = f"collective {probe.bytes_per_s / 1e6:.0f} MB/s"
-    storage = agreement.storage_mb_s
+    agreement.collective_mb_s = int(collective_mb_s)
+    channel = f"channel {'at most ' if bound else ''}{collective_mb_s:.0f} MB/s to each leader"
+    if bound:
+        channel += " (the leaders' packing)"
     if mode() == ON:
-        agreement.reason += f", {ENV_VAR}=on ({collective})"
-    elif probe.bytes_per_s < AUTO_MARGIN * storage * 1e6:
+        agreement.reason += f", {ENV_VAR}=on ({channel})"
+        return agreement
+    if agreement.cached:
+        agreement.cooperate, agreement.reason = False, "the checkpoint is in every node's page cache"
+        return agreement
+    cold = [rate for rate in storage_mb_s if rate > 0]
+    if not cold:
+        agreement.cooperate, agreement.reason = False, "the storage's rate could not be timed"
+        return agreement
+    storage = agreement.storage_mb_s = min(cold)
+    ratio = predicted_ratio(agreement.nodes, storage, collective_mb_s)
+    inputs = f"storage {storage} MB/s per node with {agreement.nodes} leaders reading, {channel}"
+    if ratio * AUTO_MARGIN > 1:
         agreement.cooperate = False
-        agreement.reason = f"storage reads {storage} MB/s per node, faster than the {collective}"
+        agreement.reason = f"{inputs}: together predicted {ratio:.2f}x of alone, not below {1 / AUTO_MARGIN:.2f}x"
     else:
-        agreement.reason += f", storage {storage} MB/s per node, {collective}"
+        agreement.reason += f", {inputs}: predicted {ratio:.2f}x of alone"
     return agreement
-
-
-def status() -> dict:
-    """MS_LOADPATCH_COOPERATIVE and the collective's probe, where run."""
-    probe = _probes.as_dict().get("collective")
-    return {
-        "env_var": ENV_VAR,
-        "mode": mode(),
-        "job_ranks": job_size(),
-        "node": node_identity(),
-        "collective_probe": None
-        if probe is None
-        else {"largest_bytes": probe.largest, "bytes_per_s": probe.bytes_per_s, "problem": probe.problem},
-    }
 
 
 __all__ = [
     "Agreement",
-    "CollectiveProbe",
-    "Collectives",
     "ENV_VAR",
     "NODE_ENV_VAR",
-    "Statement",
-    "agree",
-    "collective_probe",
+    "WAIT_ENV_VAR",
+    "choose",
+    "chunk_bytes",
     "conclude",
     "job_size",
     "mode",
     "node_identity",
-    "settle",
+    "one_node",
+    "predicted_ratio",
+    "statement",
 ]

@@ -42,7 +42,7 @@ class LoadReport:
         self.local_ranks = 1  # ranks of a distributed job on this node (strategy/ranks.py)
         self.rank = None
         # a multi-node job (strategy/cooperative.py): read with the other nodes or alone, and why;
-        # this rank's bytes read from storage and received over the collective; its staging bound
+        # this rank's bytes read from storage and received (a leader over its channel, a follower from the node); staging
         self.cooperative = None
         self.bytes_from_storage = None
         self.bytes_received = None

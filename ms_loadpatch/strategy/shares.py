@@ -1,7 +1,7 @@
 """Which node reads which bytes of a checkpoint in a multi-node job
-(strategy/cooperative.py): the files' checked headers and a digest every
-rank compares, and the chunks each node reads, computed alike on every rank
-from the headers."""
+(strategy/cooperative.py): the files' checked headers and a digest that
+keys the ranks' meeting, and the chunks each node reads, in rounds,
+computed alike on every rank from the headers."""
 
 from __future__ import annotations
 
@@ -87,6 +87,18 @@ def plan_chunks(layouts, nodes: int, chunk: int) -> list[Chunk]:
             assigned[node] += end - begin
             chunks.append(Chunk(index, begin, end, node))
     return chunks
+
+
+def plan_rounds(layouts, nodes: int, chunk: int) -> list[list[Chunk]]:
+    """The chunks in rounds of at most one per node (its next), each round in file order."""
+    per_node: list[list[Chunk]] = [[] for _ in range(nodes)]
+    for planned in plan_chunks(layouts, nodes, chunk):
+        per_node[planned.node].append(planned)
+    count = max((len(chunks) for chunks in per_node), default=0)
+    return [
+        sorted((chunks[i] for chunks in per_node if i < len(chunks)), key=lambda c: (c.file, c.begin))
+        for i in range(count)
+    ]
 
 
 def first_read_mb_s(layout: FileLayout) -> int:

@@ -38,9 +38,10 @@ def msrun() -> list[str]:
 class NodesJob:
     """`script args` as one job of `nodes` launches of `ranks_per_node`
     workers; logs in directory/logs<node>, msrun's output in
-    directory/msrun<node>.out. `node_env`: node -> extra variables."""
+    directory/msrun<node>.out. `node_env`: node -> extra variables. Without `node_ids` no launch is told
+    its node (one node's launch, as msrun starts it)."""
 
-    def __init__(self, directory, script, args, nodes, ranks_per_node=1, env=None, node_env=None):
+    def __init__(self, directory, script, args, nodes, ranks_per_node=1, env=None, node_env=None, node_ids=True):
         self.directory = os.fspath(directory)
         self.nodes = nodes
         base = {k: v for k, v in (env if env is not None else os.environ).items()}
@@ -61,7 +62,11 @@ class NodesJob:
                 os.fspath(script),
                 *map(str, args),
             ]
-            node_vars = {**base, NODE_ENV_VAR: f"node{node}", **(node_env or {}).get(node, {})}
+            node_vars = {
+                **base,
+                **({NODE_ENV_VAR: f"node{node}"} if node_ids else {}),
+                **(node_env or {}).get(node, {}),
+            }
             with open(os.path.join(self.directory, f"msrun{node}.out"), "w") as log:
                 self.procs.append(
                     subprocess.Popen(

@@ -34,7 +34,7 @@ TOP_KEYS = {
     "lazy_import",
     "multi_node",
 }
-MULTI_NODE_KEYS = {"env_var", "mode", "job_ranks", "node", "collective_probe"}
+MULTI_NODE_KEYS = {"env_var", "mode", "job_ranks", "node", "store", "leader_channels"}
 PYTHON_KEYS = {"version", "supported", "tested", "tested_here"}
 LIBRARY_KEYS = {"accelerated", "reason", "advice"}
 TECHNIQUE_KEYS = {"name", "kind", "libraries", "description", "state", "reason"}
