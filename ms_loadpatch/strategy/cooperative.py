@@ -240,6 +240,7 @@ class _Arrivals:
                 counts[chunk.file] += 1
         self._files = [_File(count) for count in counts]
         self._keep = [False] * len(layouts)
+        self._begun: set[int] = set()  # files a round has started
         self._cond = threading.Condition()
         self._held = 0  # files received and not taken
         self._wanted = -1  # the last file the load waits for
@@ -318,10 +319,11 @@ class _Arrivals:
             return file.buffer
 
     def _begin_round(self, chunks) -> None:
-        """Each file the round starts: a slot among the files held (AHEAD_FILES, unless the load waits for it),
-        or not kept once the load has ended."""
+        """Each file the round starts (its first chunk in round order, not always its first bytes): a slot
+        among the files held (AHEAD_FILES, unless the load waits for it), or not kept once the load ended."""
         for chunk in chunks:
-            if chunk.begin == 0:
+            if chunk.file not in self._begun:
+                self._begun.add(chunk.file)
                 with self._cond:
                     while self._held >= AHEAD_FILES and self._wanted < chunk.file and not self._draining:
                         self._cond.wait()
@@ -521,8 +523,7 @@ class FollowerRead(_Arrivals):
                 file = self._files[index]
                 if file.done.is_set():
                     continue
-                if not file.started:
-                    self._begin_round([Chunk(index, 0, layout.data_len, -1)])
+                self._begin_round([Chunk(index, 0, layout.data_len, -1)])
                 self.read_bytes += _read_span(layout, 0, self._buffer(index), fds, self._stop)
                 file.missing = 1
                 self._arrived(Chunk(index, 0, layout.data_len, -1))

@@ -289,3 +289,61 @@ def test_outside_a_job_nothing_cooperates(monkeypatch):
     assert job.job_size() is None
     monkeypatch.setenv(job.ENV_VAR, "on")
     assert job.job_size() is None
+
+
+def test_a_follower_takes_every_file_whole_whatever_the_rounds_order(tmp_path):
+    """A follower fed round by round through the node's staging (a thread standing in for its leader) hands
+    the load every file's tensors as saved, with a plan of 3 nodes in which some file's first chunk in round
+    order is not its first bytes."""
+    from safetensors.numpy import load_file, save_file
+
+    from ms_loadpatch.strategy import cooperative, reports
+
+    rng = np.random.default_rng(0)
+    files = []
+    for index, sizes in enumerate([(17_600, 12), (74_607,), (111_000, 75)]):  # data of 70,448, 298,428, 444,300 bytes
+        path = str(tmp_path / f"model-{index}.safetensors")
+        save_file({f"t{i}": rng.standard_normal(n).astype(np.float32) for i, n in enumerate(sizes)}, path)
+        files.append(path)
+    layouts, _ = shares.read_layouts(files)
+    chunk = 1 << 16
+    rounds = shares.plan_rounds(layouts, 3, chunk)
+    first = {}
+    for chunks in rounds:
+        for c in chunks:
+            first.setdefault(c.file, c.begin)
+    assert any(begin != 0 for begin in first.values()), "the plan this test needs"
+    staging = str(tmp_path / "staging")
+    writer = node_staging.StagingWriter(staging, [os.getpid()], 3 * chunk)
+    reader = node_staging.StagingReader.open(staging, 0, os.getpid(), 3 * chunk, wait=1)
+    writer.verdict(True, "3 nodes")
+    assert reader.verdict() == (True, "3 nodes")
+
+    def lead():
+        for number, chunks in enumerate(rounds):
+            pieces = []
+            for c in chunks:
+                with open(layouts[c.file].path, "rb") as f:
+                    f.seek(layouts[c.file].header.data_start + c.begin)
+                    pieces.append(memoryview(f.read(c.end - c.begin)))
+            writer.publish(number, pieces)
+        writer.end(True)
+
+    leader = threading.Thread(target=lead)
+    leader.start()
+    report = reports.LoadReport("Model", "transformers")
+    report.cooperative = "with the job"
+    cooperative._SESSION.acquire()  # the schedule releases it when it ends
+    read = cooperative.FollowerRead(layouts, rounds, reader, report)
+    read.start()
+    try:
+        for path in files:
+            arrays, _, _ = read.take(path)
+            expected = load_file(path)
+            assert sorted(arrays) == sorted(expected)
+            assert all(np.array_equal(arrays[name], expected[name]) for name in expected), path
+    finally:
+        read.exit(lambda: False)
+        leader.join(10)
+        writer.close()
+    assert report.bytes_received == sum(layout.data_len for layout in layouts) and report.bytes_from_storage == 0
