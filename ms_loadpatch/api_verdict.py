@@ -11,8 +11,6 @@ import dataclasses
 import logging
 import sys
 
-from packaging.specifiers import SpecifierSet
-
 from . import versions
 from .strategy.probe_cache import ProbeCache
 
@@ -26,6 +24,10 @@ class Unmet:
 
     reason: str
     needed: bool = True
+    blocker: str = "mindspore"  # what blocks it: VERSION (a distribution's version) or this mindspore's API
+
+
+VERSION = "version"
 
 
 def unmet_requirement(requires: dict[str, str], library: str | None = None, feature: str | None = None) -> Unmet | None:
@@ -42,8 +44,8 @@ def unmet_requirement(requires: dict[str, str], library: str | None = None, feat
         version = versions.installed_version(distribution)
         if version is None:
             return Unmet(f"{distribution} is not installed")
-        if not SpecifierSet(specifier).contains(version, prereleases=True):
-            return Unmet(f"needs {distribution}{specifier}, found {version}")
+        if not versions.meets(distribution, version, specifier):
+            return Unmet(f"needs {distribution}{specifier}, found {version}", blocker=VERSION)
     if "mindspore" in sys.modules:
         chosen = api_verdict()
         if library is not None and chosen.refusal_for(library):

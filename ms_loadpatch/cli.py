@@ -89,6 +89,8 @@ def _print_status(report: dict) -> None:
             print(f"  what to do: {verdict['advice']}")
     for untested in report["untested"]:
         print(f"warning: {untested}; accepted because {report['activation']['allow_untested_var']} is set")
+    for development in report["development"]:
+        print(f"note: {development}")
     activation = report["activation"]
     hook = "installed" if activation["pth_installed"] else "not installed: use ms-loadpatch run"
     print(

@@ -16,7 +16,7 @@ import typing
 
 import wrapt
 
-from . import calls, lazy_import, techniques, versions
+from . import api_verdict, calls, fingerprints, lazy_import, techniques, versions
 from .api_verdict import unmet_requirement
 from .targets import FROM_PRETRAINED, TARGETS, Target
 
@@ -32,6 +32,7 @@ class TargetState(typing.NamedTuple):
     state: str
     reason: str
     refused: bool = False  # skipped because the version gate refused the installed versions
+    blocked_by: str | None = None  # a skipped row's blocker (api_verdict.Unmet.blocker)
 
 
 def _resolve_wrapper(spec: str):
@@ -174,6 +175,7 @@ class _Patcher:
                     "state": s.state,
                     "reason": s.reason,
                     "refused": s.refused,
+                    "blocked_by": s.blocked_by,
                 }
                 for t in self._targets
                 for s in [self._states.get(t.key, TargetState(SKIPPED, "not enabled"))]
@@ -187,6 +189,7 @@ class _Patcher:
             "python": versions.python_status(),
             "refusal": gate.refusal,
             "untested": list(gate.untested),
+            "development": list(gate.development),
             "libraries": {library: _library_verdict(library, enabled, gate, targets) for library in versions.LIBRARIES},
             "techniques": techniques.status_rows() if gate.ok else [],
             "last_build": techniques.last_build(),
@@ -228,7 +231,9 @@ class _Patcher:
                 continue
             unmet, wrapper = prepared[target.key]
             if unmet is not None:
-                self._states[target.key] = TargetState(SKIPPED if unmet.needed else NOT_NEEDED, unmet.reason)
+                self._states[target.key] = TargetState(
+                    SKIPPED if unmet.needed else NOT_NEEDED, unmet.reason, blocked_by=unmet.blocker
+                )
                 continue
             try:
                 if isinstance(wrapper, Exception):
@@ -286,9 +291,20 @@ def _library_verdict(library: str, enabled: bool, gate: versions.GateResult, tar
         verdict["advice"] = "import ms_loadpatch, set MS_LOADPATCH=1, or run under `ms-loadpatch run --`"
     elif skipped:
         verdict["reason"] = f"{skipped[0]['target']} skipped: {skipped[0]['reason']}"
+        if skipped[0]["blocked_by"] == api_verdict.VERSION:
+            verdict["advice"] = (
+                f"loads run mindone's own path; a tested mindone ({versions.tested_versions('mindone')}) gets "
+                f"the fast path, or set {versions.ALLOW_UNTESTED_ENV_VAR}=1 to try this one at your own risk"
+            )
+        else:
+            verdict["advice"] = (
+                f"loads run mindone's own path; a tested mindspore "
+                f"({versions.tested_versions('mindspore')}) gets the fast path"
+            )
+    elif gate.development and fingerprints.library_problem(library):
+        verdict["reason"] = f"{gate.development[0]}; {fingerprints.library_problem(library)}"
         verdict["advice"] = (
-            f"loads run mindone's own path; a tested mindspore "
-            f"({versions.tested_versions('mindspore')}) gets the fast path"
+            f"loads run mindone's own path; mindone {versions.tested_versions('mindone')} gets the fast path"
         )
     elif any(row["state"] == PENDING for row in own if row["target"] == FROM_PRETRAINED[library]):
         # other modules' entry points (from_unet, adapters, ...) are patched when they are imported

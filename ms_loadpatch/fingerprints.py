@@ -1,11 +1,13 @@
-"""mindone code the glue repeats instead of calling: for each such function,
-the hash of its source as the glue was written against (mindone 0.5.0).
+"""mindone code the glue repeats instead of calling, and the loading entry
+points it wraps: for each such function, the hash of its source as the glue
+was written against (mindone 0.5.0).
 
 A wrapper that does a function's work itself (key conversion, the init
 pass, tie_weights, casts, reads, assignment) is right only while mindone's
 function is the code it repeats. Where the installed source differs (a
-post release, a patched install), that library's loads run mindone's own
-path, the wrappers call the original, and status() names the function.
+post release, a patched install, mindone built from source), that library's
+loads run mindone's own path, the wrappers call the original, and status()
+names the function.
 Checked once per process, at the first use after its module is imported.
 """
 
@@ -38,14 +40,36 @@ REPEATED = {
     "diffusers.convert_state_dict": ("diffusers", _DF, "_convert_state_dict", "42044b9d362c272e"),
     "diffusers.load_shard_file": ("diffusers", _DF_LOADING, "_load_shard_file", "3412531322c2645b"),
     "diffusers.load_state_dict": ("diffusers", _DF_LOADING, "load_state_dict", "30fc298fc89f953b"),
+    # wrapped, not repeated: the glue relies on what they do around the calls it makes
+    "transformers.from_pretrained": ("transformers", _TF, "PreTrainedModel.from_pretrained", "5bb3b8b03c328245"),
+    "transformers.load_pretrained_model": (
+        "transformers",
+        _TF,
+        "PreTrainedModel._load_pretrained_model",
+        "0ebbf33630045bb0",
+    ),
+    "transformers.init": ("transformers", _TF, "PreTrainedModel.__init__", "65a361e58bcb29fc"),
+    "transformers.find_missing_and_unexpected_keys": (
+        "transformers",
+        _TF,
+        "_find_missing_and_unexpected_keys",
+        "39fc82b57e0cfec9",
+    ),
+    "diffusers.from_pretrained": ("diffusers", _DF, "ModelMixin.from_pretrained", "5a570c18083696bb"),
+    "diffusers.load_pretrained_model": ("diffusers", _DF, "ModelMixin._load_pretrained_model", "8b4481da968104e8"),
+    "diffusers.init": ("diffusers", _DF, "ModelMixin.__init__", "3c0af390a0e6b4e9"),
 }
 
 _checks = ProbeCache()  # name -> why it differs, None when it is the code repeated
 
 
 def source_hash(function) -> str:
-    """The first 16 hex digits of the sha256 of `function`'s source (its wrappers unwrapped)."""
-    return hashlib.sha256(inspect.getsource(inspect.unwrap(function)).encode()).hexdigest()[:16]
+    """The first 16 hex digits of the sha256 of `function`'s source (its wrappers and a classmethod's or
+    staticmethod's binding unwrapped: Python 3.9's classmethod has no __wrapped__)."""
+    function = inspect.unwrap(function)
+    if isinstance(function, (classmethod, staticmethod)):
+        function = inspect.unwrap(function.__func__)
+    return hashlib.sha256(inspect.getsource(function).encode()).hexdigest()[:16]
 
 
 def _original(module_name, qualname):

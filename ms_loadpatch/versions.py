@@ -99,10 +99,29 @@ class GateResult:
     refusal: str | None  # None when every present distribution is accepted
     # versions outside SUPPORTED accepted by ALLOW_UNTESTED_ENV_VAR (empty otherwise)
     untested: tuple[str, ...] = ()
+    # development builds of a supported release (mindone from source), accepted while the code the glue
+    # repeats or wraps is that release's (fingerprints.py): what status says of each
+    development: tuple[str, ...] = ()
 
     @property
     def ok(self) -> bool:
         return self.refusal is None
+
+
+def development_release(version: Version) -> Version | None:
+    """The release a development build leads to (0.5.0.dev0+g1a2b -> 0.5.0), None for a release."""
+    return Version(version.base_version) if version.is_devrelease else None
+
+
+def meets(distribution: str, version: Version, specifier: str) -> bool:
+    """Whether `version` of `distribution` meets `specifier` as the gate judges it: inside it, a development
+    build of a release inside it (the fingerprints then decide), or any version under ALLOW_UNTESTED_ENV_VAR
+    (the gate's one check of the range, not one per target)."""
+    spec = SpecifierSet(specifier)
+    if spec.contains(version, prereleases=True) or _allow_untested():
+        return True
+    release = development_release(version)
+    return release is not None and spec.contains(release)
 
 
 def _allow_untested() -> bool:
@@ -120,24 +139,32 @@ def check() -> GateResult:
     ran may build different objects), unless ALLOW_UNTESTED_ENV_VAR is on.
     """
     versions: dict[str, str | None] = {}
-    problems, untested = [], []
+    problems, untested, development = [], [], []
     for distribution, specifier in SUPPORTED.items():
         version = installed_version(distribution)
         versions[distribution] = str(version) if version is not None else None
-        if version is not None and not specifier.contains(version, prereleases=True):
-            newest = max(Version(v) for v in TESTED[distribution])
-            where = f"newer than the newest tested ({newest})" if version > newest else "outside"
-            problem = (
-                f"{distribution} {version} is {where} the supported range {specifier} "
-                f"(tested: {tested_versions(distribution)})"
+        if version is None or specifier.contains(version, prereleases=True):
+            continue
+        release = development_release(version)
+        if release is not None and specifier.contains(release):
+            development.append(
+                f"{distribution} {version} is a development build of {release}: accepted while the code "
+                "ms_loadpatch repeats or wraps is that release's (status: repeated-mindone-code)"
             )
-            (untested if _allow_untested() else problems).append(problem)
+            continue
+        newest = max(Version(v) for v in TESTED[distribution])
+        newer = f", newer than the newest tested ({newest})" if version > newest else ""
+        problem = (
+            f"{distribution} {version} is outside the supported range {specifier}{newer} "
+            f"(tested: {tested_versions(distribution)})"
+        )
+        (untested if _allow_untested() else problems).append(problem)
     refusal = None
     if problems:
         refusal = "; ".join(problems) + (
             f"; to try it at your own risk set {ALLOW_UNTESTED_ENV_VAR}=1 (every probe still runs)"
         )
-    return GateResult(versions, refusal, tuple(untested))
+    return GateResult(versions, refusal, tuple(untested), tuple(development))
 
 
 # --- lazy import of mindone.transformers (lazy_import.py)

@@ -25,6 +25,7 @@ TOP_KEYS = {
     "python",
     "refusal",
     "untested",
+    "development",
     "libraries",
     "techniques",
     "targets",
@@ -38,7 +39,7 @@ MULTI_NODE_KEYS = {"env_var", "mode", "job_ranks", "node", "store", "leader_chan
 PYTHON_KEYS = {"version", "supported", "tested", "tested_here"}
 LIBRARY_KEYS = {"accelerated", "reason", "advice"}
 TECHNIQUE_KEYS = {"name", "kind", "libraries", "description", "state", "reason"}
-TARGET_KEYS = {"target", "library", "public", "state", "reason", "refused"}
+TARGET_KEYS = {"target", "library", "public", "state", "reason", "refused", "blocked_by"}
 IMPORT_KEYS = {"imported", "seconds", "errors"}
 ACTIVATION_KEYS = {"env_var", "env_value", "pth_installed", "allow_untested_var"}
 
@@ -155,7 +156,8 @@ def test_refused_version_says_not_accelerated_and_what_to_do(monkeypatch):
     newest = max(versions.TESTED["mindspore"], key=Version)
     for library in versions.LIBRARIES:
         assert verdicts[f"mindone.{library}"].startswith(
-            f"not accelerated: mindspore 2.11.0 is newer than the newest tested ({newest})"
+            f"not accelerated: mindspore 2.11.0 is outside the supported range {versions.SUPPORTED['mindspore']}, "
+            f"newer than the newest tested ({newest})"
         ), out
     assert out.count(f"what to do: install a tested version (mindspore {versions.tested_versions('mindspore')}") == 2
     assert f"set {versions.ALLOW_UNTESTED_ENV_VAR}=1" in out
@@ -170,8 +172,53 @@ def test_untested_version_with_the_override_is_accelerated_with_a_warning():
         prelude=FAKE_VERSION.format(fake={"mindspore": "2.11.0"}), env_extra={versions.ALLOW_UNTESTED_ENV_VAR: "1"}
     ).stdout
     assert _verdicts(out)["mindone.transformers"].startswith("accelerated"), out
-    assert "warning: mindspore 2.11.0 is newer than the newest tested" in out
+    assert "warning: mindspore 2.11.0 is outside the supported range" in out
     assert f"accepted because {versions.ALLOW_UNTESTED_ENV_VAR} is set" in out
+
+
+def test_mindone_from_source_gets_the_fast_path():
+    """A development build of a supported mindone (installed from its git master) is accepted while the code
+    ms_loadpatch repeats or wraps is that release's: here it is (the installed code is 0.5.0's)."""
+    out = _status(prelude=FAKE_VERSION.format(fake={"mindone": "0.5.0.dev0+g0a1b2c3"})).stdout
+    for library in versions.LIBRARIES:
+        assert _verdicts(out)[f"mindone.{library}"].startswith("accelerated"), out
+    assert "note: mindone 0.5.0.dev0+g0a1b2c3 is a development build of 0.5.0: accepted while" in out
+    assert "  patched    PreTrainedModel.from_pretrained" in out
+
+
+def test_mindone_from_source_whose_code_differs_is_refused_naming_the_function():
+    """A development build whose code differs from the release's (faked: the hash expected for
+    from_pretrained) loads on mindone's own path, the status naming the first function that differs."""
+    prelude = FAKE_VERSION.format(fake={"mindone": "0.5.0.dev0+g0a1b2c3"}) + (
+        "from ms_loadpatch import fingerprints\n"
+        "row = fingerprints.REPEATED['transformers.from_pretrained']\n"
+        "fingerprints.REPEATED['transformers.from_pretrained'] = (*row[:3], '0' * 16)\n"
+    )
+    verdicts = _verdicts(_status(prelude=prelude).stdout)
+    assert verdicts["mindone.transformers"].startswith(
+        "not accelerated: mindone 0.5.0.dev0+g0a1b2c3 is a development build of 0.5.0"
+    ), verdicts
+    assert "PreTrainedModel.from_pretrained is not the code ms_loadpatch repeats" in verdicts["mindone.transformers"]
+    assert verdicts["mindone.diffusers"].startswith("accelerated"), verdicts
+
+
+@pytest.mark.parametrize("fake", ["0.6.0", "0.4.0.dev0", "0.6.0.dev0+gabc"])
+def test_mindone_out_of_range_is_refused_and_the_override_accepts_it(monkeypatch, fake):
+    """Newer, older, or a development build of an unsupported release: refused, saying what to do; with
+    MS_LOADPATCH_ALLOW_UNTESTED=1 accepted once by the gate, and no target checks the range again."""
+    monkeypatch.delenv(versions.ALLOW_UNTESTED_ENV_VAR, raising=False)
+    prelude = FAKE_VERSION.format(fake={"mindone": fake})
+    out = _status(prelude=prelude).stdout
+    for library in versions.LIBRARIES:
+        assert _verdicts(out)[f"mindone.{library}"].startswith(
+            f"not accelerated: mindone {fake} is outside the supported range {versions.SUPPORTED['mindone']}"
+        ), out
+    assert f"set {versions.ALLOW_UNTESTED_ENV_VAR}=1" in out
+    out = _status(prelude=prelude, env_extra={versions.ALLOW_UNTESTED_ENV_VAR: "1"}).stdout
+    for library in versions.LIBRARIES:
+        assert _verdicts(out)[f"mindone.{library}"].startswith("accelerated"), out
+    assert f"warning: mindone {fake} is outside the supported range" in out
+    assert "  patched    PreTrainedModel.from_pretrained" in out and "needs mindone" not in out
 
 
 def test_missing_mindone_says_what_to_install():

@@ -115,10 +115,32 @@ def test_newer_than_tested_is_refused_naming_the_newest_and_the_override(monkeyp
     _fake_versions(monkeypatch, {"mindspore": "2.11.0", "mindone": "0.5.0"})
     refusal = versions.check().refusal
     newest = max(versions.TESTED["mindspore"], key=Version)
-    assert f"mindspore 2.11.0 is newer than the newest tested ({newest})" in refusal
+    assert (
+        f"mindspore 2.11.0 is outside the supported range {versions.SUPPORTED['mindspore']}, newer than the newest "
+        f"tested ({newest})"
+    ) in refusal
     assert f"set {versions.ALLOW_UNTESTED_ENV_VAR}=1" in refusal
     _fake_versions(monkeypatch, {"mindspore": "2.6.0", "mindone": "0.5.0"})
     assert "mindspore 2.6.0 is outside the supported range" in versions.check().refusal
+
+
+@pytest.mark.parametrize(
+    "mindone,accepted",
+    [("0.5.0.dev0+g0a1b2c3", True), ("0.5.0.dev7", True), ("0.6.0.dev0", False), ("0.4.9.dev1", False)],
+)
+def test_a_development_build_of_a_supported_release_is_accepted_for_its_fingerprints(monkeypatch, mindone, accepted):
+    """mindone from source: a .devN (and +local) build of a release in the range passes the gate, noted
+    as development (the fingerprints then decide); one of a release outside it is refused."""
+    monkeypatch.delenv(versions.ALLOW_UNTESTED_ENV_VAR, raising=False)
+    _fake_versions(monkeypatch, {"mindspore": "2.10.0", "mindone": mindone})
+    result = versions.check()
+    assert result.ok is accepted, result
+    assert bool(result.development) is accepted
+    if accepted:
+        assert result.development[0].startswith(f"mindone {mindone} is a development build of ")
+        assert versions.meets("mindone", Version(mindone), str(versions.SUPPORTED["mindone"]))
+    else:
+        assert f"mindone {mindone} is outside the supported range" in result.refusal
 
 
 @pytest.mark.parametrize("value,accepted", [("1", True), ("true", True), ("0", False), ("", False)])
@@ -500,7 +522,7 @@ def test_refused_version_is_clean(monkeypatch):
     assert report["enabled"] is False
     status = report["status"]
     assert status["enabled"] is False and status["refusal"].startswith(
-        "mindspore 2.11.0 is newer than the newest tested"
+        "mindspore 2.11.0 is outside the supported range"
     )
     assert all(row["state"] == "skipped" and row["reason"].startswith("refused: ") for row in status["targets"])
     assert all(verdict["accelerated"] is False for verdict in status["libraries"].values())
