@@ -95,7 +95,18 @@ def run_job(model, nodes, ranks_per_node, mode, storage_settings, timeout, chunk
         "decision": reports[0]["cooperative"] if reports[0] else None,
         "staging_mb": (reports[0]["staging_bytes"] or 0) / 1e6 if reports[0] else None,
         "peak_rss_mb": max(r["peak_rss_mb"] for r in ranks),
+        # per rank: MB it read from storage (None: it read alone, as without a job)
+        "from_storage_mb": [
+            None
+            if not r["report"] or r["report"]["bytes_from_storage"] is None
+            else r["report"]["bytes_from_storage"] / 1e6
+            for r in ranks
+        ],
     }
+
+
+def _per_rank(megabytes) -> str:
+    return " / ".join("alone" if mb is None else f"{mb:.0f}" for mb in megabytes)
 
 
 def main(argv=None) -> int:
@@ -131,13 +142,15 @@ def main(argv=None) -> int:
             row["runs_s"] = [round(r["slowest_s"], 2) for r in runs]
             rows.append(row)
     print(f"\nstorage {args.storage}" + (f" {args.total_mb_s:.0f} MB/s, {args.latency_ms} ms" if settings else ""))
-    print("| nodes x ranks | mode | slowest rank (s) | served (x ckpt) | peak RSS (MB) | decision |")
-    print("| --- | --- | --- | --- | --- | --- |")
+    print(
+        "| nodes x ranks | mode | slowest rank (s) | served (x ckpt) | peak RSS (MB) | MB from storage per rank | decision |"
+    )
+    print("| --- | --- | --- | --- | --- | --- | --- |")
     for r in rows:
         served = "" if r["served_x"] is None else f"{r['served_x']:.3f}"
         print(
             f"| {r['nodes']} x {r['ranks_per_node']} | {r['mode']} | {r['slowest_s']:.1f} {r['runs_s']} | "
-            f"{served} | {r['peak_rss_mb']:.0f} | {r['decision']} |"
+            f"{served} | {r['peak_rss_mb']:.0f} | {_per_rank(r['from_storage_mb'])} | {r['decision']} |"
         )
     return 0
 

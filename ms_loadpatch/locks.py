@@ -36,5 +36,4 @@ LOCK_ORDER = (
     # the job's store and the leaders' channels, made once per process under the cooperative schedule's lock
     ("strategy.meeting", "_stores._lock"),
     ("strategy.leaders", "_channels._lock"),
-    ("strategy.leaders", "_packing._lock"),
 )

@@ -170,36 +170,47 @@ def _meet(files, report, size):
         report.cooperative = f"alone: {agreement.reason}"
         return None
     report.cooperative = f"with the job: {agreement.reason}"
-    report.staging_bytes = (2 * agreement.nodes * chunk * 4) // 3 + (
+    report.staging_bytes = leaders.channel(agreement.leaders, rank).round_bytes(chunk) + (
         node_staging.SLOTS * slot_bytes if staging is not None else 0
     )
     return LeaderRead(layouts, rounds, agreement, rank, report, staging)
 
 
 def _choose(agreement, rank, layouts, chunk, store, meeting_key):
-    """The leaders' choice, the same on each. `auto`: alone where every node has the checkpoint cached;
-    else each leader times its first read right after they met (all reading at once) and says it in the
-    store with how fast its host packs a round; alone where even a channel that fast would not pay; else
-    the channel (made and probed once per process) decides. `on`: the channel."""
+    """The leaders' choice, the same on each. `auto`: alone where every node has the checkpoint cached (no
+    channel made); else each leader times its first read right after they met (all reading at once) and
+    says it in the store, and the channel (made and probed once per process) decides. `on`: the channel."""
     auto = job.mode() == job.AUTO
     if auto and agreement.cached:
-        return job.choose(agreement, [], 0.0, None)  # alone: nothing to measure, no channel made
+        return job.choose(agreement, [], 0.0, None)
     rates = []
     if auto:
-        node = agreement.node_of_rank[rank]
-        said = {"storage": first_read_mb_s(layouts[0]), "packing": leaders.packing_mb_s(chunk)}
-        met = meeting.meet(store.client, f"{meeting_key}/leaders", said, node, agreement.nodes, job.wait_seconds())
+        said = {"storage": first_read_mb_s(layouts[0])}
+        met = meeting.meet(
+            store.client,
+            f"{meeting_key}/leaders",
+            said,
+            agreement.node_of_rank[rank],
+            agreement.nodes,
+            job.wait_seconds(),
+        )
         if isinstance(met, str):
             agreement.cooperate, agreement.reason = False, f"the leaders did not all time their storage: {met}"
             return agreement
         rates = [leader["storage"] for leader in met[0]]
-        bound = min(leader["packing"] for leader in met[0])
-        job.choose(agreement, rates, bound, None, bound=True)
-        if not agreement.cooperate:
-            return agreement
-        agreement.reason = f"{agreement.nodes} nodes"
-    channel = leaders.channel(agreement.leaders, rank, chunk)
-    return job.choose(agreement, rates, channel.bytes_per_s / 1e6, channel.problem)
+    node, wait = agreement.node_of_rank[rank], job.wait_seconds()
+
+    def agree(transport, ok) -> bool:
+        """Whether every leader's check of the channel's probe passed (one leader's bytes may arrive changed
+        where another's do not): they meet on it in the store."""
+        met = meeting.meet(store.client, f"{meeting_key}/probe/{transport}", {"ok": ok}, node, agreement.nodes, wait)
+        return not isinstance(met, str) and all(leader["ok"] for leader in met[0])
+
+    channel = leaders.channel(agreement.leaders, rank, chunk, agree)
+    agreement = job.choose(agreement, rates, channel.bytes_per_s / 1e6, channel.problem)
+    if agreement.cooperate:
+        agreement.reason += f"; transport: {channel.transport}"
+    return agreement
 
 
 def _abandoned_by(ranks) -> RuntimeError:
@@ -361,8 +372,7 @@ class LeaderRead(_Arrivals):
         super().__init__(layouts, rounds, report)
         self.agreement, self.rank, self.staging = agreement, rank, staging
         self.node = agreement.node_of_rank[rank]
-        self.channel = leaders.channel(agreement.leaders, rank, 0)
-        self._chunk_max = max((c.end - c.begin for chunks in rounds for c in chunks), default=1)
+        self.channel = leaders.channel(agreement.leaders, rank)  # made and probed by the choice
         self._read: dict[int, BaseException | None] = {}  # round -> None (its chunk read) or the exception
         self._ahead = threading.Semaphore(AHEAD_ROUNDS)
         self._threads.append(threading.Thread(target=self._read_owned, name="ms_loadpatch-read-own", daemon=True))
@@ -420,15 +430,15 @@ class LeaderRead(_Arrivals):
                 if self._read.pop(number) is not None:
                     state = _READ_FAILED
         data = self._buffer(mine.file)[mine.begin : mine.end] if mine is not None and state == _GOING_ON else None
-        states, rows = self.channel.exchange(data, state, self._chunk_max)
+        lengths = [0] * self.agreement.nodes  # as planned, the same on every leader whatever its state
+        for chunk in chunks:
+            lengths[chunk.node] = chunk.end - chunk.begin
+        states, payloads = self.channel.exchange(data, state, lengths)
         if all(s == _GOING_ON for s in states):
             for chunk in chunks:
                 if chunk.node != self.node:
-                    length = chunk.end - chunk.begin
-                    leaders.unpack(
-                        rows[chunk.node, : leaders.words_for(length)], self._buffer(chunk.file)[chunk.begin : chunk.end]
-                    )
-                    self.received += length
+                    self._buffer(chunk.file)[chunk.begin : chunk.end] = payloads[chunk.node]
+                    self.received += chunk.end - chunk.begin
         return states
 
     def _fail_at(self, failed, chunks) -> None:

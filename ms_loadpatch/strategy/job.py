@@ -170,22 +170,17 @@ def predicted_ratio(nodes: int, storage_mb_s: float, collective_mb_s: float) -> 
     return max(1 / (nodes * storage_mb_s), (nodes - 1) / (nodes * collective_mb_s)) * storage_mb_s
 
 
-def choose(
-    agreement: Agreement, storage_mb_s: list[int], collective_mb_s: float, problem: str | None, bound: bool = False
-) -> Agreement:
+def choose(agreement: Agreement, storage_mb_s: list[int], collective_mb_s: float, problem: str | None) -> Agreement:
     """`agreement` with MS_LOADPATCH_COOPERATIVE's choice applied, from what every leader measured alike
     (the same on each: they shared it): each leader's first read while all read (0: from its page cache),
-    the channel's probed rate (`bound`: the most it could carry, the leaders' packing), the channel's
-    problem if its probe failed."""
+    the channel's probed rate, the channel's problem if its probe failed."""
     if not agreement.cooperate:
         return agreement
     if problem is not None:
         agreement.cooperate, agreement.reason = False, f"the leaders' channel failed its probe: {problem}"
         return agreement
     agreement.collective_mb_s = int(collective_mb_s)
-    channel = f"channel {'at most ' if bound else ''}{collective_mb_s:.0f} MB/s to each leader"
-    if bound:
-        channel += " (the leaders' packing)"
+    channel = f"channel {collective_mb_s:.0f} MB/s to each leader"
     if mode() == ON:
         agreement.reason += f", {ENV_VAR}=on ({channel})"
         return agreement

@@ -3,15 +3,17 @@ per node, created once per process after they agreed to cooperate), never
 the job's world group, so the job's own collectives can never pair with the
 plugin's.
 
-Every round is one float32 AllReduce over that group: each leader puts its
-chunk in its own slot, zeros in the others', and its state in its slot's
-last word; the sum is every leader's chunk and state. Bytes travel three to
-a float (integers below 2**24 add to zero exactly), since float32 AllReduce
-is what every backend runs on a created group (the CPU wheel's mccl runs
-Broadcast and AllGather on its world group only; float sums of raw bit
-patterns would change -0.0 and NaN payloads). The channel is probed once
-per process per group: a round of known bytes, checked on every leader, then
-one timed.
+A round carries every leader's chunk and state. Two transports, the first
+that passes the channel's probe (once per process per group: a round of
+known bytes checked on every leader, then one timed) is used:
+- broadcast: each leader's bytes broadcast from it in turn
+  (`mindspore.mint.distributed.broadcast` with the group: raw uint8,
+  received in place; the CPU wheel's mccl runs it on a created group,
+  where its `ops.Broadcast` and `ops.AllGather` take only the world group);
+- summed: one float32 AllReduce, each leader's chunk in its own slot and
+  zeros in the others', bytes three to a float (integers below 2**24 add to
+  zero exactly; float sums of raw bit patterns would change -0.0 and NaN
+  payloads): what every backend runs on a created group.
 """
 
 from __future__ import annotations
@@ -23,7 +25,6 @@ import numpy as np
 from .probe_cache import ProbeCache
 
 _channels = ProbeCache()  # tuple of leader ranks -> LeaderChannel (its group created once)
-_packing = ProbeCache()  # chunk bytes -> packing_mb_s
 
 
 def words_for(nbytes: int) -> int:
@@ -46,8 +47,15 @@ def unpack(words: np.ndarray, into: np.ndarray) -> None:
     into[:] = quads[:, :3].reshape(-1)[: into.size]
 
 
+BROADCAST, SUMMED = "broadcast", "summed"  # the channel's transports, in the order tried
+_STATE_BYTES = 8
+
+
 class LeaderChannel:
-    """Rounds among the leaders (`leaders`: their world ranks, this one at `slot`)."""
+    """Rounds among the leaders (`leaders`: their world ranks, this one at `slot`), over the transport its
+    probe found working: BROADCAST, each leader's chunk and state (its last 8 bytes) broadcast from it in
+    turn (`mindspore.mint.distributed.broadcast` on the group: raw bytes, received in place); else SUMMED,
+    one float32 AllReduce of every leader's chunk packed into its own slot."""
 
     def __init__(self, leaders: list[int], slot: int):
         from mindspore import ops
@@ -57,97 +65,108 @@ class LeaderChannel:
         self.group = "ms_loadpatch_leaders_" + "_".join(map(str, leaders))
         create_group(self.group, self.leaders)
         self._sum = ops.AllReduce(group=self.group)
+        self.transport: str | None = None
         self.problem: str | None = None
         self.bytes_per_s = 0.0
 
-    def exchange(self, data: np.ndarray | None, state: int, nbytes_max: int) -> tuple[list[int], np.ndarray]:
-        """One round: this leader's `data` (uint8, at most `nbytes_max`; None: nothing this round) and `state`;
-        every leader's state and the summed message (float32, a row of words per leader: `row_bytes` decodes)."""
+    def round_bytes(self, chunk: int) -> int:
+        """What a round of chunks of `chunk` bytes holds in this process's messages at most."""
+        if self.transport == SUMMED:
+            return 2 * len(self.leaders) * (words_for(chunk) + 1) * 4  # the message and the sum
+        return len(self.leaders) * (chunk + _STATE_BYTES)
+
+    def exchange(self, data: np.ndarray | None, state: int, lengths: list[int]) -> tuple[list[int], list]:
+        """One round: this leader's `data` (uint8, `lengths[slot]` bytes; None: nothing to send, its length 0)
+        and `state` out; every leader's state and bytes (uint8 arrays of `lengths`) in."""
+        if self.transport == SUMMED:
+            return self._summed(data, state, lengths)
+        return self._broadcast(data, state, lengths)
+
+    def _broadcast(self, data, state, lengths):
+        import mindspore as ms
+        from mindspore.mint import distributed
+
+        states, payloads = [], []
+        for slot, root in enumerate(self.leaders):
+            message = np.empty(lengths[slot] + _STATE_BYTES, dtype=np.uint8)
+            if slot == self.slot:
+                if data is not None:
+                    message[: lengths[slot]] = data
+                message[lengths[slot] :] = np.array([state], dtype="<i8").view(np.uint8)
+            tensor = ms.Tensor.from_numpy(message)
+            distributed.broadcast(tensor, src=root, group=self.group)
+            received = tensor.asnumpy()  # after the broadcast has written it: the array alone may not be yet
+            states.append(int(received[lengths[slot] :].view("<i8")[0]))
+            payloads.append(received[: lengths[slot]])
+        return states, payloads
+
+    def _summed(self, data, state, lengths):
         import mindspore as ms
 
-        words = words_for(nbytes_max)
+        words = words_for(max(max(lengths), 1))
         message = np.zeros((len(self.leaders), words + 1), dtype=np.float32)
         if data is not None and data.size:
             pack(data, message[self.slot, : words_for(data.size)])
         message[self.slot, words] = state
         total = self._sum(ms.Tensor.from_numpy(message.reshape(-1))).asnumpy().reshape(message.shape)
-        return [int(v) for v in total[:, words]], total[:, :words]
+        payloads = []
+        for slot, length in enumerate(lengths):
+            payload = np.empty(length, dtype=np.uint8)
+            if length:
+                unpack(total[slot, : words_for(length)], payload)
+            payloads.append(payload)
+        return [int(v) for v in total[:, words]], payloads
 
-    def gather(self, values: list[int]) -> list[list[int]]:
-        """Every leader's small non-negative integers (below 2**24), a row per leader."""
-        import mindspore as ms
+    def probe(self, nbytes: int, agree) -> None:
+        """The first transport that carries a round of known bytes from every leader exactly on every leader
+        (`agree(transport, ok)`: whether every leader's check passed, asked of all alike), then one timed:
+        `transport` and `bytes_per_s` (what each leader receives from the others per second), or `problem`."""
+        problems = []
+        for transport in (BROADCAST, SUMMED):
+            self.transport = transport
+            problem = self._try(max(3, nbytes))
+            if agree(transport, problem is None):
+                self.problem = None
+                return
+            problems.append(f"{transport}: {problem or 'it failed on another leader'}")
+        self.transport, self.problem = None, "; ".join(problems)
 
-        message = np.zeros((len(self.leaders), len(values)), dtype=np.float32)
-        message[self.slot] = values
-        return (
-            self._sum(ms.Tensor.from_numpy(message.reshape(-1)))
-            .asnumpy()
-            .reshape(message.shape)
-            .astype(np.int64)
-            .tolist()
-        )
-
-    def probe(self, nbytes: int) -> None:
-        """A round of known bytes from every leader, checked exactly, then one timed: `problem` or `bytes_per_s`
-        (what each leader receives from the others per second)."""
-        nbytes = max(3, nbytes)
+    def _try(self, nbytes: int) -> str | None:
         patterns = [
             (np.arange(nbytes, dtype=np.uint64) * 2654435761 + 97 * slot + 1).astype(np.uint8)
             for slot in range(len(self.leaders))
         ]
         patterns[-1][:3] = (255, 0, 128)  # bytes whose floats would change sign or vanish if sent as floats
+        lengths = [nbytes] * len(self.leaders)
         seconds = 0.0
         for _round in ("checked", "checked and timed"):
             started = time.perf_counter()
             try:
-                states, rows = self.exchange(patterns[self.slot], 0, nbytes)
-            except Exception as exc:  # noqa: BLE001 - the verdict: every leader reads alone
-                self.problem = f"a round of {nbytes >> 10} KB failed: {_first_line(exc)}"
-                return
+                states, payloads = self.exchange(patterns[self.slot], 0, lengths)
+            except Exception as exc:  # noqa: BLE001 - the verdict: the next transport, or alone
+                return f"a round of {nbytes >> 10} KB failed ({_first_line(exc)})"
             seconds = time.perf_counter() - started
-            got = np.empty(nbytes, dtype=np.uint8)
-            for slot, expected in enumerate(patterns):
-                unpack(rows[slot], got)
-                if not np.array_equal(got, expected) or states[slot] != 0:
-                    self.problem = f"a round of {nbytes >> 10} KB arrived changed"
-                    return
+            if states != [0] * len(self.leaders) or not all(map(np.array_equal, payloads, patterns)):
+                return f"a round of {nbytes >> 10} KB arrived changed"
         self.bytes_per_s = (len(self.leaders) - 1) * nbytes / seconds if seconds > 0 else 0.0
+        return None
 
 
-def channel(leaders: list[int], rank: int, probe_bytes: int) -> LeaderChannel:
+def channel(leaders: list[int], rank: int, probe_bytes: int = 0, agree=None) -> LeaderChannel:
     """The leaders' channel, its group created and probed once per process (every leader asks at the same
-    point: right after they agreed)."""
+    point, right after they agreed; `agree` as LeaderChannel.probe's)."""
 
     def make():
         made = LeaderChannel(leaders, leaders.index(rank))
-        made.probe(probe_bytes)
+        made.probe(probe_bytes, agree)
         return made
 
     return _channels.get(tuple(leaders), make)
 
 
-def packing_mb_s(nbytes: int) -> int:
-    """How fast this host unpacks a chunk of `nbytes` another leader sent (MB/s): the most the channel can
-    deliver to it, whatever the network (a round unpacks a chunk from each other leader). Timed once per
-    process, the better of two."""
-
-    def timed():
-        data = np.zeros(nbytes, dtype=np.uint8)
-        words = np.zeros(words_for(nbytes), dtype=np.float32)
-        pack(data, words)
-        best = float("inf")
-        for _ in range(2):
-            started = time.perf_counter()
-            unpack(words, data)
-            best = min(best, time.perf_counter() - started)
-        return max(1, min(int(nbytes / best / 1e6), (1 << 24) - 1)) if best > 0 else (1 << 24) - 1
-
-    return _packing.get(nbytes, timed)
-
-
 def status() -> list[dict]:
     return [
-        {"leaders": list(key), "bytes_per_s": found.bytes_per_s, "problem": found.problem}
+        {"leaders": list(key), "transport": found.transport, "bytes_per_s": found.bytes_per_s, "problem": found.problem}
         for key, found in _channels.as_dict().items()
     ]
 
@@ -157,4 +176,4 @@ def _first_line(exc) -> str:
     return text.splitlines()[0] if text else type(exc).__name__
 
 
-__all__ = ["LeaderChannel", "channel", "pack", "packing_mb_s", "status", "unpack", "words_for"]
+__all__ = ["BROADCAST", "SUMMED", "LeaderChannel", "channel", "pack", "status", "unpack", "words_for"]

@@ -6,6 +6,7 @@ operations (strategy/meeting.py), the leaders' byte packing
 (strategy/node_staging.py), the plan (strategy/shares.py). The jobs
 themselves run in tests/jobs/test_multinode.py."""
 
+import json
 import os
 import subprocess
 import sys
@@ -178,13 +179,23 @@ def test_a_second_load_meets_the_others_second_load(fresh_meetings):
     assert isinstance(other[0], str)
 
 
-def test_the_meeting_decides_once_when_a_wait_ends_as_the_last_rank_arrives(fresh_meetings):
-    """Ranks whose waits end just as the last one arrives: every rank decides the same, many times over."""
-    for attempt in range(20):
-        store = _Store()
-        outcomes = _meet_in_threads(store, {0: 0.0, 1: 0.0, 2: 0.05 + attempt * 0.001}, 3, wait=0.05, key=f"k{attempt}")
-        kinds = {type(found) for found in outcomes.values()}
-        assert len(kinds) == 1, outcomes
+class _LastArrivalUnseen(_Store):
+    """A store in which rank 1 arrives while rank 0 waits, but every look rank 0 takes at the count before
+    its wait ends still shows only itself: the race of a wait that ends as the last rank arrives."""
+
+    def add(self, key, amount):
+        if amount == 0 and "rank1" not in str(self.values):
+            self.set(key.rsplit("/", 1)[0] + "/rank1", json.dumps({"rank": 1}).encode())
+            super().add(key, 1)
+        value = super().add(key, amount)
+        return min(value, 1) if amount == 0 else value
+
+
+def test_a_rank_whose_wait_ends_after_the_last_arrival_joins_the_meeting(fresh_meetings):
+    """Decided by the count, not the clock: rank 1 counted itself in before rank 0 closed the meeting, so
+    rank 0 meets it (and rank 1, which saw the full count, met it too)."""
+    outcome = meeting.meet(_LastArrivalUnseen(), "files", {"rank": 0}, 0, 2, wait=0.05)
+    assert isinstance(outcome, tuple) and [s["rank"] for s in outcome[0]] == [0, 1], outcome
 
 
 @settings(max_examples=60, deadline=None)

@@ -364,7 +364,9 @@ def test_a_slow_follower_is_left_behind_and_reads_the_rest(checkpoint, tmp_path)
         for node in range(2):
             os.symlink(storage.mountpoints[node], tmp_path / f"node{node}")
         stop = _signal_rank_once_reading(storage, model, 3, signal.SIGSTOP, then=continue_later)
-        job, results, _ = run_nodes(tmp_path, 2, 2, tmp_path / "{node}", COOPERATE, while_running=stop)
+        # 1 MB chunks: many more rounds than staging slots, so the leader needs rank 3's slots again
+        env = {**COOPERATE, "MS_LOADPATCH_COOPERATIVE_CHUNK_MB": "1"}
+        job, results, _ = run_nodes(tmp_path, 2, 2, tmp_path / "{node}", env, while_running=stop)
     _assert_loaded(job, results, 4, reference)
     _assert_follower_read_the_rest(results, 3, "the node's leader went on without it (it fell behind)")
     assert results[1]["report"]["bytes_from_storage"] == 0
