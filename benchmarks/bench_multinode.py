@@ -128,18 +128,20 @@ def main(argv=None) -> int:
     )
     rows = []
     for nodes in args.nodes:
-        for mode in args.modes:
-            if nodes == 1 and mode != "off":
-                continue  # one node reads alone whatever the mode
-            runs = []
-            for _ in range(args.repeats):
+        modes = [mode for mode in args.modes if nodes > 1 or mode == "off"]  # one node reads alone whatever the mode
+        runs = {mode: [] for mode in modes}
+        for _ in range(args.repeats):
+            for mode in modes:  # the modes take turns, so that the VM's drift falls on each alike
                 if args.storage == "local" and args.cold:
                     cold.evict(files_of(model))
-                runs.append(run_job(model, nodes, args.ranks_per_node, mode, settings, args.timeout, args.chunk_mb))
-                print(json.dumps(runs[-1]), flush=True)
-            row = dict(runs[-1])
-            row["slowest_s"] = statistics.median(r["slowest_s"] for r in runs)
-            row["runs_s"] = [round(r["slowest_s"], 2) for r in runs]
+                runs[mode].append(
+                    run_job(model, nodes, args.ranks_per_node, mode, settings, args.timeout, args.chunk_mb)
+                )
+                print(json.dumps(runs[mode][-1]), flush=True)
+        for mode in modes:
+            row = dict(runs[mode][-1])
+            row["slowest_s"] = statistics.median(r["slowest_s"] for r in runs[mode])
+            row["runs_s"] = [round(r["slowest_s"], 2) for r in runs[mode]]
             rows.append(row)
     print(f"\nstorage {args.storage}" + (f" {args.total_mb_s:.0f} MB/s, {args.latency_ms} ms" if settings else ""))
     print(
