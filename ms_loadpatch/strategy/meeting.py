@@ -30,13 +30,13 @@ import time
 from datetime import timedelta
 
 from ..activation import env_int
+from .job import WAIT_ENV_VAR
 from .probe_cache import ProbeCache
 
 STORE_PORT_ENV_VAR = "MS_LOADPATCH_STORE_PORT"
 _CLOSED = 1 << 40  # added by a rank whose wait ended: the count can never again read as the job's size
 _POLL_SECONDS = (0.01, 0.2)  # first and longest pause between looks at the count
 _stores = ProbeCache()  # "store" -> Store: the process's connection (or the served store), once
-WAIT_HINT = "MS_LOADPATCH_COOPERATIVE_WAIT"
 _meetings: dict[str, int] = {}  # meeting key -> meetings held by this process (under cooperative's session lock)
 
 
@@ -132,7 +132,7 @@ def meet(client, key: str, mine: dict, rank: int, size: int, wait: float) -> tup
     if count < size:
         count = client.add(f"{base}/count", _CLOSED) - _CLOSED  # what it was: the count decides, not the clock
     if count != size:
-        return f"{min(count % _CLOSED, size - 1)} of {size} ranks reached this load within {wait:g} s ({WAIT_HINT})"
+        return f"{min(count % _CLOSED, size - 1)} of {size} ranks reached this load within {wait:g} s ({WAIT_ENV_VAR})"
     return [json.loads(bytes(client.get(f"{base}/rank{r}"))) for r in range(size)], held
 
 
