@@ -181,8 +181,8 @@ def _choose(agreement, rank, layouts, chunk, store, meeting_key):
     channel made); else each leader times its first read right after they met (all reading at once) and
     says it in the store, and the channel (made and probed once per process) decides. `on`: the channel."""
     auto = job.mode() == job.AUTO
-    if auto and agreement.cached:
-        return job.choose(agreement, [], 0.0, None)
+    if auto and (agreement.cached or agreement.nodes > job.AUTO_MOST_NODES):
+        return job.choose(agreement, [], 0.0, None)  # alone, no channel made
     rates = []
     if auto:
         said = {"storage": first_read_mb_s(layouts[0])}

@@ -34,6 +34,9 @@ DEFAULT_WAIT_SECONDS = 10
 ROUND_LIMIT = 16 << 20
 # auto cooperates when the model below predicts the job this much faster together than alone
 AUTO_MARGIN = 1.25
+# auto cooperates across this many nodes at most: with 3 a leaders' broadcast failed mid-load under auto on
+# the CPU wheel's mccl (not under on), cause not found yet; alone is slower, never wrong
+AUTO_MOST_NODES = 2
 PROTOCOL = 2
 
 
@@ -186,6 +189,10 @@ def choose(agreement: Agreement, storage_mb_s: list[int], collective_mb_s: float
         return agreement
     if agreement.cached:
         agreement.cooperate, agreement.reason = False, "the checkpoint is in every node's page cache"
+        return agreement
+    if agreement.nodes > AUTO_MOST_NODES:
+        agreement.cooperate = False
+        agreement.reason = f"{ENV_VAR}=auto cooperates across {AUTO_MOST_NODES} nodes at most for now ({ENV_VAR}=on)"
         return agreement
     cold = [rate for rate in storage_mb_s if rate > 0]
     if not cold:

@@ -59,6 +59,14 @@ def test_the_choice_follows_the_model(monkeypatch, mode, rates, channel, coopera
     assert agreement.cooperate == cooperates and agreement.reason.startswith(reason), agreement.reason
 
 
+def test_auto_reads_alone_across_more_nodes_than_it_cooperates_with(monkeypatch):
+    monkeypatch.setenv(job.ENV_VAR, "auto")
+    agreement = job.choose(job.conclude([_said("a"), _said("b"), _said("c")]), [10, 10, 10], 1000, None)
+    assert not agreement.cooperate and "cooperates across 2 nodes at most" in agreement.reason
+    monkeypatch.setenv(job.ENV_VAR, "on")
+    assert job.choose(job.conclude([_said("a"), _said("b"), _said("c")]), [], 1000, None).cooperate
+
+
 def test_the_model_on_paper():
     """Together over alone: the storage's share per node or the channel, whichever is slower."""
     assert job.predicted_ratio(2, 50, 100) == pytest.approx(0.5)
