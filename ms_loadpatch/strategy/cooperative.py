@@ -183,22 +183,14 @@ def _choose(agreement, rank, layouts, chunk, store, meeting_key):
     auto = job.mode() == job.AUTO
     if auto and (agreement.cached or agreement.nodes > job.AUTO_MOST_NODES):
         return job.choose(agreement, [], 0.0, None)  # alone, no channel made
-    rates = []
+    node, wait, rates = agreement.node_of_rank[rank], job.wait_seconds(), []
     if auto:
         said = {"storage": first_read_mb_s(layouts[0])}
-        met = meeting.meet(
-            store.client,
-            f"{meeting_key}/leaders",
-            said,
-            agreement.node_of_rank[rank],
-            agreement.nodes,
-            job.wait_seconds(),
-        )
+        met = meeting.meet(store.client, f"{meeting_key}/leaders", said, node, agreement.nodes, wait)
         if isinstance(met, str):
             agreement.cooperate, agreement.reason = False, f"the leaders did not all time their storage: {met}"
             return agreement
         rates = [leader["storage"] for leader in met[0]]
-    node, wait = agreement.node_of_rank[rank], job.wait_seconds()
 
     def agree(transport, ok) -> bool:
         """Whether every leader's check of the channel's probe passed (one leader's bytes may arrive changed
