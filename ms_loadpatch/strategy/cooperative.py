@@ -114,7 +114,7 @@ def _meet(files, report, size):
         met = meeting.meet(store.client, key, job.statement(cached), rank, size, wait)
     except Exception as exc:  # noqa: BLE001 - the store failed: read alone, as without a job
         meeting.give_up(store, exc)
-        report.cooperative = f"alone: the meeting in the job's store failed ({_first_line(exc)})"
+        report.cooperative = f"alone: the meeting in the job's store failed ({job.first_line(exc)})"
         return None
     if isinstance(met, str):
         report.cooperative = f"alone: {met}"
@@ -155,13 +155,13 @@ def _meet(files, report, size):
         agreement = _choose(agreement, rank, layouts, chunk, store, f"{key}/{held}")
     except BaseException as exc:
         if staging is not None:
-            staging.verdict(False, f"the node's leader failed to agree with the others ({_first_line(exc)})")
+            staging.verdict(False, f"the node's leader failed to agree with the others ({job.first_line(exc)})")
             staging.close()
             staging = None
         if not isinstance(exc, Exception):
             raise
         agreement.cooperate = False  # the channel could not be made: every leader meets the same error
-        agreement.reason = f"the leaders' channel could not be made ({_first_line(exc)})"
+        agreement.reason = f"the leaders' channel could not be made ({job.first_line(exc)})"
     if staging is not None:
         staging.verdict(agreement.cooperate, agreement.reason)
     if not agreement.cooperate:
@@ -210,11 +210,6 @@ def _abandoned_by(ranks) -> RuntimeError:
         f"ms_loadpatch: rank(s) {', '.join(map(str, ranks))} of the job abandoned the load "
         "(an error or an interrupt there); their logs say why"
     )
-
-
-def _first_line(exc) -> str:
-    text = str(exc).strip()
-    return text.splitlines()[0] if text else type(exc).__name__
 
 
 class _File:
@@ -391,7 +386,7 @@ class LeaderRead(_Arrivals):
             others = [rank for rank in self.agreement.leaders if rank != self.rank]
             self._error = RuntimeError(
                 f"ms_loadpatch: the leaders' channel failed on rank {self.rank} while it exchanged the checkpoint "
-                f"with rank(s) {', '.join(map(str, others))} ({_first_line(exc)}): a rank may have died or left "
+                f"with rank(s) {', '.join(map(str, others))} ({job.first_line(exc)}): a rank may have died or left "
                 "the load"
             )
         finally:

@@ -164,6 +164,12 @@ def conclude(statements: list[dict]) -> Agreement:
     return agreement
 
 
+def first_line(exc) -> str:
+    """The first line of an error's text (its type where it has none), for a reason in a report."""
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
+
+
 def predicted_ratio(nodes: int, storage_mb_s: float, collective_mb_s: float) -> float:
     """Together over alone, for a checkpoint of S bytes: alone each node reads S at the storage's rate r (as
     timed with every leader reading); together each leader reads S/N at r and receives S(N-1)/N at the

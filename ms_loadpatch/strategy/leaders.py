@@ -22,6 +22,7 @@ import time
 
 import numpy as np
 
+from .job import first_line
 from .probe_cache import ProbeCache
 
 _channels = ProbeCache()  # tuple of leader ranks -> LeaderChannel (its group created once)
@@ -144,7 +145,7 @@ class LeaderChannel:
             try:
                 states, payloads = self.exchange(patterns[self.slot], 0, lengths)
             except Exception as exc:  # noqa: BLE001 - the verdict: the next transport, or alone
-                return f"a round of {nbytes >> 10} KB failed ({_first_line(exc)})"
+                return f"a round of {nbytes >> 10} KB failed ({first_line(exc)})"
             seconds = time.perf_counter() - started
             if states != [0] * len(self.leaders) or not all(map(np.array_equal, payloads, patterns)):
                 return f"a round of {nbytes >> 10} KB arrived changed"
@@ -169,11 +170,6 @@ def status() -> list[dict]:
         {"leaders": list(key), "transport": found.transport, "bytes_per_s": found.bytes_per_s, "problem": found.problem}
         for key, found in _channels.as_dict().items()
     ]
-
-
-def _first_line(exc) -> str:
-    text = str(exc).strip()
-    return text.splitlines()[0] if text else type(exc).__name__
 
 
 __all__ = ["BROADCAST", "SUMMED", "LeaderChannel", "channel", "pack", "status", "unpack", "words_for"]

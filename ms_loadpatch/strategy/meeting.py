@@ -30,7 +30,7 @@ import time
 from datetime import timedelta
 
 from ..activation import env_int
-from .job import WAIT_ENV_VAR
+from .job import WAIT_ENV_VAR, first_line
 from .probe_cache import ProbeCache
 
 STORE_PORT_ENV_VAR = "MS_LOADPATCH_STORE_PORT"
@@ -91,7 +91,7 @@ def _open(wait: float) -> Store:
             client = TCPStore(host, port, is_master=False, timeout=timeout)
         _check(client)
     except Exception as exc:  # noqa: BLE001 - the verdict: every load reads alone
-        return Store(None, serves, where, f"the job's store at {where} failed: {_first_line(exc)}")
+        return Store(None, serves, where, f"the job's store at {where} failed: {first_line(exc)}")
     return Store(client, serves, where)
 
 
@@ -113,7 +113,7 @@ def store(wait: float) -> Store:
 def give_up(found: Store, exc) -> None:
     """The store failed mid-meeting (the process serving it ended, most likely): every later load of this
     process reads alone at once instead of waiting on it again."""
-    found.client, found.problem = None, f"the job's store at {found.address} failed: {_first_line(exc)}"
+    found.client, found.problem = None, f"the job's store at {found.address} failed: {first_line(exc)}"
 
 
 def meet(client, key: str, mine: dict, rank: int, size: int, wait: float) -> tuple[list[dict], int] | str:
@@ -134,11 +134,6 @@ def meet(client, key: str, mine: dict, rank: int, size: int, wait: float) -> tup
     if count != size:
         return f"{min(count % _CLOSED, size - 1)} of {size} ranks reached this load within {wait:g} s ({WAIT_ENV_VAR})"
     return [json.loads(bytes(client.get(f"{base}/rank{r}"))) for r in range(size)], held
-
-
-def _first_line(exc) -> str:
-    text = str(exc).strip()
-    return text.splitlines()[0] if text else type(exc).__name__
 
 
 def status() -> dict | None:
